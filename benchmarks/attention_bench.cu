@@ -1,0 +1,215 @@
+// attention_bench: cellkv's attention on the shapes of DESIGN.md section 7 (bf16, H_q 32, H_kv 8,
+// D 128), one layer, timed with CUDA events: warm-up, then the median over samples of many
+// back-to-back calls. Prints JSON lines (benchmarks/report.py merges them with peers.py's) and a
+// table on stderr. Not a test.
+//
+//   decode  N x L: N sequences holding L cells each, one new token per sequence; effective TB/s =
+//           live K+V bytes (N L H_kv D 2 bytes x 2) / time of one attention call (write excluded)
+//   prefill N x L: one step of N sequences x L tokens, causal; useful TFLOP/s = 4 N L(L+1)/2 H_q D / time
+//   overhead: declare + upload (+ mirror, tile stats, tile lists, schedule) of 256 decode tokens
+//           over 256k cells, wall time from declare to the stream being idle
+//
+// Placement of the decode caches: tokens are placed as decode places them, round-robin over the
+// sequences (one token of each per step), so lowest_free interleaves every tile and clustered<64>
+// keeps each sequence in aligned blocks of its own.
+//
+//   build/benchmarks/cellkv-bench-attention [--quick] [--out FILE]
+#include <cellkv/cellkv.hpp>
+#include <cellkv/cuda/device_cache.cuh>
+#include <cellkv/cuda/stream.hpp>
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace cellkv;
+using bf16 = __nv_bfloat16;
+using Model = Windows<0>;
+constexpr std::int32_t kHq = 32, kHkv = 8, kD = 128;
+
+struct Options {
+  bool quick = false;
+  std::FILE* out = stdout;
+};
+
+__global__ void fill_random(bf16* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 13, x *= 0x5bd1e995u, x ^= x >> 15;
+    p[i] = __float2bfloat16(static_cast<float>(x & 0xffff) / 32768.f - 1.f);
+  }
+}
+
+void randomize(bf16* p, std::size_t n, std::uint32_t seed) {
+  fill_random<<<1024, 256>>>(p, n, seed);
+  CELLKV_CUDA_THROW(cudaGetLastError());
+}
+
+void emit(const Options& o, const char* work, const std::string& shape, const char* impl, double ms, double metric,
+          const char* unit) {
+  std::fprintf(o.out, "{\"work\": \"%s\", \"shape\": \"%s\", \"impl\": \"%s\", \"ms\": %.6f, \"metric\": %.4f, \"unit\": \"%s\"}\n",
+               work, shape.c_str(), impl, ms, metric, unit);
+  std::fflush(o.out);
+  std::fprintf(stderr, "  %-8s %-9s %-28s %10.4f ms %10.3f %s\n", work, shape.c_str(), impl, ms, metric, unit);
+}
+
+std::string shape_name(std::int32_t n, std::int32_t len) {
+  return std::to_string(n) + "x" + (len % 1024 == 0 ? std::to_string(len / 1024) + "k" : std::to_string(len));
+}
+
+// Median milliseconds of one call of f(): `samples` samples of `reps` back-to-back calls.
+template <class F>
+double time_ms(F&& f, cudaStream_t stream, int reps, int samples) {
+  gpu::Event start(true), stop(true);
+  for (int i = 0; i < 3; ++i) f();
+  std::vector<float> ms;
+  for (int s = 0; s < samples; ++s) {
+    (void)start.record(stream);
+    for (int r = 0; r < reps; ++r) f();
+    (void)stop.record(stream);
+    CELLKV_CUDA_THROW(cudaEventSynchronize(stop.get()));
+    float t = 0;
+    CELLKV_CUDA_THROW(cudaEventElapsedTime(&t, start.get(), stop.get()));
+    ms.push_back(t / static_cast<float>(reps));
+  }
+  std::nth_element(ms.begin(), ms.begin() + samples / 2, ms.end());
+  return ms[static_cast<std::size_t>(samples / 2)];
+}
+
+// One attention layer of a cache with random K/V and queries for the declared step.
+template <class Cache>
+double time_step(Cache& cache, const std::vector<std::int32_t>& step, gpu::Stream& stream, int reps, int samples) {
+  if (!cache.declare_step(step).ok()) throw std::runtime_error("declare_step refused");
+  const auto T = static_cast<std::int32_t>(step.size());
+  gpu::DeviceBuffer<bf16> q(static_cast<std::size_t>(T) * kHq * kD), out(q.size()),
+      kv(static_cast<std::size_t>(T) * kHkv * kD);
+  randomize(q.data(), q.size(), 1);
+  randomize(kv.data(), kv.size(), 2);
+  if (!cache.upload(stream).ok()) throw std::runtime_error("upload refused");
+  if (!cache.write(0, kv.data(), kv.data(), T, stream).ok()) throw std::runtime_error("write refused");
+  return time_ms([&] { (void)cache.attend(0, q.data(), out.data(), T, kHq, 0.f, stream); }, stream.get(), reps, samples);
+}
+
+// A one-layer cache of the benchmark's shape whose pool holds random values.
+template <class Cache>
+struct BenchCache {
+  Cache cache;
+  BenchCache(std::int32_t max_write, std::int32_t max_cells, std::int32_t seqs, std::int32_t max_len)
+      : cache({.max_write = max_write, .max_cells = max_cells, .max_seqs = seqs, .max_len = max_len},
+              {.layers = 1, .heads_kv = kHkv, .head_dim = kD, .heads_q = kHq}) {
+    const auto storage = cache.pool().storage();
+    randomize(storage.data(), storage.size(), 3);
+  }
+};
+
+// Decode: N sequences filled round-robin with L tokens, then one step of one token each.
+template <class Cache>
+void bench_decode(const Options& o, const char* impl, std::int32_t n, std::int32_t len, bool reference = false) {
+  BenchCache<Cache> bench(std::max(n, 1), n * (len + 128), n, len + 64);
+  Cache& cache = bench.cache;
+  if (reference) cache.use_kernels(gpu::KernelChoice::reference);
+  std::vector<std::int32_t> ids;
+  for (std::int32_t s = 0; s < n; ++s) ids.push_back(cache.seq_new().value());
+  for (std::int32_t t = 0; t < len; ++t)
+    if (!cache.declare_step(ids).ok()) throw std::runtime_error("fill refused");
+  gpu::Stream stream;
+  const bool slow = reference || (std::string(impl).find("lowest") != std::string::npos && n > 1);
+  const double ms = time_step(cache, ids, stream, slow ? 1 : 20, slow ? 3 : (o.quick ? 5 : 15));
+  const double bytes = static_cast<double>(n) * len * kHkv * kD * 2 * 2;
+  emit(o, "decode", shape_name(n, len), impl, ms, bytes / (ms * 1e-3) / 1e12, "TB/s");
+}
+
+// Prefill: one step holding every token of N sequences of L tokens (sequence by sequence).
+template <class Cache>
+void bench_prefill(const Options& o, const char* impl, std::int32_t n, std::int32_t len) {
+  BenchCache<Cache> bench(n * len, n * len + 64, n, len + 64);
+  Cache& cache = bench.cache;
+  std::vector<std::int32_t> step;
+  for (std::int32_t s = 0; s < n; ++s) {
+    const std::int32_t id = cache.seq_new().value();
+    step.insert(step.end(), static_cast<std::size_t>(len), id);
+  }
+  gpu::Stream stream;
+  const double ms = time_step(cache, step, stream, 5, o.quick ? 3 : 10);
+  const double flops = 4.0 * n * (static_cast<double>(len) * (len + 1) / 2) * kHq * kD;
+  emit(o, "prefill", shape_name(n, len), impl, ms, flops / (ms * 1e-3) / 1e12, "TFLOP/s");
+}
+
+// Per-step overhead: 256 decode tokens over 256k cells (256 sequences of ~1000 tokens).
+void bench_overhead(const Options& o) {
+  using Cache = gpu::DeviceCache<layout::cell, bf16, Model, placement::clustered<64>>;
+  BenchCache<Cache> bench(256, 262144, 256, 0);
+  Cache& cache = bench.cache;
+  std::vector<std::int32_t> ids;
+  for (std::int32_t s = 0; s < 256; ++s) ids.push_back(cache.seq_new().value());
+  for (int t = 0; t < 1000; ++t) (void)cache.declare_step(ids);
+  gpu::Stream stream;
+  (void)cache.declare_step(ids);
+  (void)cache.upload(stream);
+  stream.synchronize();
+  std::vector<double> wall, host;
+  for (int i = 0; i < (o.quick ? 20 : 200); ++i) {
+    for (const std::int32_t s : ids) (void)cache.rewind(s, 1000);  // back to 1000 positions, untimed
+    const auto t0 = std::chrono::steady_clock::now();
+    (void)cache.declare_step(ids);
+    (void)cache.upload(stream);
+    const auto t1 = std::chrono::steady_clock::now();
+    stream.synchronize();
+    const auto t2 = std::chrono::steady_clock::now();
+    host.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    wall.push_back(std::chrono::duration<double, std::micro>(t2 - t0).count());
+  }
+  std::sort(host.begin(), host.end());
+  std::sort(wall.begin(), wall.end());
+  const double h = host[host.size() / 2], w = wall[wall.size() / 2];
+  emit(o, "overhead", "256tok_256kcells", "cellkv_step_overhead", w * 1e-3, w, "us");
+  emit(o, "overhead", "256tok_256kcells", "cellkv_step_overhead_host", h * 1e-3, h, "us");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) o.quick = true;
+    if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) o.out = std::fopen(argv[++i], "w");
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || o.out == nullptr) {
+    std::fprintf(stderr, "cellkv-bench-attention: needs a CUDA device (and a writable --out)\n");
+    return 1;
+  }
+  using Clustered = gpu::DeviceCache<layout::cell, bf16, Model, placement::clustered<64>>;
+  using Lowest = gpu::DeviceCache<layout::cell, bf16, Model, placement::lowest_free>;
+  using Slots = gpu::DeviceCache<layout::sequence, bf16, Model>;
+  const std::pair<std::int32_t, std::int32_t> decode[] = {{1, 32768}, {16, 4096}, {64, 2048}, {256, 1024}};
+  const std::pair<std::int32_t, std::int32_t> prefill[] = {{1, 8192}, {8, 1024}, {4, 4096}};
+  std::fprintf(stderr, "cellkv attention benchmark: bf16, H_q %d, H_kv %d, D %d, one layer\n", kHq, kHkv, kD);
+  try {
+    for (const auto& [n, len] : decode) {
+      bench_decode<Clustered>(o, "cellkv_cell_clustered", n, len);
+      bench_decode<Slots>(o, "cellkv_sequence", n, len);
+      bench_decode<Lowest>(o, "cellkv_cell_lowest_free", n, len);
+      if (!o.quick) bench_decode<Clustered>(o, "cellkv_cell_masked_reference", n, len, true);
+    }
+    for (const auto& [n, len] : prefill) {
+      bench_prefill<Clustered>(o, "cellkv_cell_clustered", n, len);
+      bench_prefill<Slots>(o, "cellkv_sequence", n, len);
+    }
+    bench_overhead(o);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cellkv-bench-attention: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

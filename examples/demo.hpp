@@ -1,0 +1,166 @@
+// demo.hpp - the main demo, for any backend: a few dozen prompts of varied lengths served through
+// the executor with continuous batching (sessions join as others finish; some sessions are forks
+// of others, sharing their prompt's cells), a live progress line, a summary with a picture of the
+// cell map at its fullest, and a solo re-run of a sample of sessions that must produce the same
+// tokens as in the batch (exit 1 otherwise).
+#pragma once
+
+#include <cellkv/batching/executor.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <unistd.h>
+#include <string>
+#include <vector>
+
+#include "llama/config.hpp"
+
+namespace demo {
+
+struct Settings {
+  std::int32_t sessions = 36;
+  std::int32_t concurrency = 12;  // live sessions at most
+  std::int32_t min_prompt = 8, max_prompt = 96;
+  std::int32_t max_new = 24;
+  std::int32_t fork_every = 6;  // every n-th session forks an earlier one
+  std::int32_t solo_checks = 6;
+  cellkv::batching::SessionLimits limits{.max_write = 64, .min_prefill_tokens = 2, .max_tokens_per_session = 256};
+};
+
+struct Request {
+  std::vector<std::int32_t> prompt;
+  std::int32_t fork_of = -1;  // index of the request whose session it forks, or -1
+};
+
+// Deterministic prompts of varied lengths; every fork_every-th request forks an earlier one.
+inline std::vector<Request> make_requests(const Settings& s, std::int32_t vocab) {
+  std::vector<Request> out;
+  std::uint64_t x = 12345;
+  auto next = [&] { return static_cast<std::int32_t>((x = llama::detail::splitmix64(x)) >> 33); };
+  for (std::int32_t i = 0; i < s.sessions; ++i) {
+    Request r;
+    if (i > 0 && i % s.fork_every == 0) r.fork_of = i - 1 - next() % std::min(i, 4);
+    const std::int32_t len = s.min_prompt + next() % (s.max_prompt - s.min_prompt + 1);
+    for (std::int32_t t = 0; t < len; ++t) r.prompt.push_back(next() % vocab);
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+inline char glyph(std::int32_t seq) {
+  static const char kGlyphs[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+  return kGlyphs[seq % 62];
+}
+
+// The first rows of the cell map: one character per cell (its sequence, '*' when shared, '.' free).
+template <class Host>
+std::string cell_map(const Host& host, std::int32_t rows) {
+  std::string out;
+  const auto cells = static_cast<std::int32_t>(std::min<std::int64_t>(host.capacity(), 64LL * rows));
+  for (std::int32_t c = 0; c < cells; ++c) {
+    if (c % 64 == 0) out += "    ";
+    const auto& owners = host.cell_owners(c);
+    out += owners.empty() ? '.' : owners.count() > 1 ? '*' : glyph(owners.first());
+    if (c % 64 == 63) out += '\n';
+  }
+  return out;
+}
+
+// The live progress line: rewritten in place on a terminal, one line every 25 steps otherwise.
+template <class Exec>
+void progress(const Exec& exec, std::size_t done, std::size_t total, std::chrono::steady_clock::time_point t0, bool last) {
+  static const bool tty = isatty(fileno(stdout)) != 0;
+  if (!tty && !last && exec.stats().steps % 25 != 0) return;
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("%s  running %2d  finished %3zu/%zu  steps %5lld  tokens %6lld  %8.0f tokens/s%s", tty ? "\r" : "",
+              exec.sessions().live_count(), done, total, static_cast<long long>(exec.stats().steps),
+              static_cast<long long>(exec.stats().tokens_generated),
+              static_cast<double>(exec.stats().tokens_generated) / secs, tty ? "" : "\n");
+  std::fflush(stdout);
+}
+
+struct Outcome {
+  std::vector<std::vector<std::int32_t>> tokens;  // generated tokens per request
+};
+
+// Serves every request through one executor; prints progress and a summary.
+template <class Exec, class Host, class Extra>
+Outcome serve(Exec& exec, const Host& host, const std::vector<Request>& requests, const Settings& s, Extra&& extra) {
+  using cellkv::batching::SessionId;
+  Outcome out;
+  out.tokens.resize(requests.size());
+  std::vector<SessionId> id_of(requests.size(), 0);
+  std::vector<bool> finished(requests.size(), false);
+  std::size_t next = 0, done = 0;
+  std::int64_t fullest = -1;
+  std::string picture;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (done < requests.size()) {
+    while (next < requests.size() && exec.sessions().live_count() < s.concurrency) {
+      const Request& r = requests[next];
+      const bool fork = r.fork_of >= 0 && id_of[static_cast<std::size_t>(r.fork_of)] != 0 &&
+                        exec.sessions().is_live(id_of[static_cast<std::size_t>(r.fork_of)]);
+      // A fork whose source already left runs as a fresh session with the source's prompt.
+      const auto& prompt = r.fork_of >= 0 ? requests[static_cast<std::size_t>(r.fork_of)].prompt : r.prompt;
+      const auto id = fork ? exec.sessions().clone(id_of[static_cast<std::size_t>(r.fork_of)], s.max_new)
+                           : exec.sessions().add(prompt, s.max_new);
+      if (!id.ok()) break;
+      id_of[next++] = id.value();
+    }
+    const auto step = exec.step();
+    if (!step.ok() && step.status() != cellkv::Errc::empty_step) {
+      std::printf("\nstep refused: %s\n", std::string(step.status().message()).c_str());
+      break;
+    }
+    if (host.capacity() - host.free_cells() > fullest) {
+      fullest = host.capacity() - host.free_cells();
+      picture = cell_map(host, 8);
+    }
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      if (finished[i] || id_of[i] == 0) continue;
+      const auto state = exec.sessions().state(id_of[i]);
+      if (!state.ok() || state.value() != cellkv::batching::SessionState::done) continue;
+      const auto toks = exec.sessions().output(id_of[i]).value();
+      out.tokens[i].assign(toks.begin(), toks.end());
+      (void)exec.sessions().finish(id_of[i]);
+      finished[i] = true;
+      ++done;
+    }
+    progress(exec, done, requests.size(), t0, done == requests.size());
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const auto& st = exec.stats();
+  std::printf("\nsummary\n  %lld steps (%lld of one token: decode method; %lld wider: prefill method) generated %lld tokens and fed %lld, in %.2f s: %.0f tokens/s\n",
+              static_cast<long long>(st.steps), static_cast<long long>(st.decode_steps),
+              static_cast<long long>(st.prefill_steps), static_cast<long long>(st.tokens_generated),
+              static_cast<long long>(st.tokens_fed), secs, static_cast<double>(st.tokens_generated) / secs);
+  std::printf("  cells in use at the fullest: %lld of %lld; now %lld\n", static_cast<long long>(fullest),
+              static_cast<long long>(host.capacity()), static_cast<long long>(host.capacity() - host.free_cells()));
+  extra();
+  std::printf("  cell map at the fullest (first cells; letter = sequence, * = shared by a fork, . = free):\n%s", picture.c_str());
+  return out;
+}
+
+// Re-runs a sample of requests one at a time (solo) and compares with the batched tokens; a fork
+// runs solo as a fresh session with its source's prompt. Returns the number of mismatches.
+template <class RunSolo>
+int check_solo(const std::vector<Request>& requests, const Outcome& batched, const Settings& s, RunSolo&& run_solo) {
+  int mismatches = 0;
+  std::printf("\nsolo re-runs (each session alone in a fresh cache):\n");
+  const auto n = static_cast<std::int32_t>(requests.size());
+  for (std::int32_t k = 0; k < s.solo_checks; ++k) {
+    const std::int32_t i = k == 0 ? s.fork_every : (k * 7 + 1) % n;  // the first fork, then a spread
+    const Request& r = requests[static_cast<std::size_t>(i)];
+    const std::vector<std::int32_t>& prompt = r.fork_of >= 0 ? requests[static_cast<std::size_t>(r.fork_of)].prompt : r.prompt;
+    const std::vector<std::int32_t> solo = run_solo(prompt);
+    const bool same = solo == batched.tokens[static_cast<std::size_t>(i)];
+    mismatches += same ? 0 : 1;
+    std::printf("  session %2d%s prompt %3zu tokens: %s\n", i, r.fork_of >= 0 ? " (fork)" : "       ", prompt.size(),
+                same ? "same tokens as in the batch" : "MISMATCH");
+  }
+  return mismatches;
+}
+
+}  // namespace demo

@@ -1,0 +1,120 @@
+// llama/host_llama.hpp - the example decoder on the host reference path: plain loops in float,
+// attention through cellkv::reference::update_and_attend over host pools. Satisfies
+// cellkv::batching::Model.
+//
+// Per layer: h = rmsnorm(x); q, k, v = h Wq, h Wk, h Wv; RoPE(q, k); x += attend(q, k, v) Wo;
+// h = rmsnorm(x); x += (silu(h W1) * h W3) W2. Logits: rmsnorm(x) W_lm for the rows asked for.
+#pragma once
+
+#include <cellkv/batching/model.hpp>
+#include <cellkv/host_pool.hpp>
+#include <cellkv/reference.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "config.hpp"
+
+namespace llama {
+
+// y [rows, out] (+)= x [rows, in] W [in, out].
+inline void matmul(std::span<const float> x, std::span<const float> w, std::span<float> y, std::int32_t in,
+                   std::int32_t out, bool accumulate) {
+  const auto rows = x.size() / static_cast<std::size_t>(in);
+  for (std::size_t r = 0; r < rows; ++r) {
+    float* yr = y.data() + r * static_cast<std::size_t>(out);
+    if (!accumulate) std::fill(yr, yr + out, 0.f);
+    for (std::int32_t i = 0; i < in; ++i) {
+      const float xi = x[r * static_cast<std::size_t>(in) + static_cast<std::size_t>(i)];
+      const float* wi = w.data() + static_cast<std::size_t>(i) * static_cast<std::size_t>(out);
+      for (std::int32_t o = 0; o < out; ++o) yr[o] += xi * wi[o];
+    }
+  }
+}
+
+// Each row of x [rows, n], scaled to unit root-mean-square, times gain.
+inline void rmsnorm(std::span<const float> x, std::span<const float> gain, std::span<float> y, float eps) {
+  const std::size_t n = gain.size();
+  for (std::size_t r = 0; r < x.size() / n; ++r) {
+    double ss = 0;
+    for (std::size_t i = 0; i < n; ++i) ss += static_cast<double>(x[r * n + i]) * x[r * n + i];
+    const auto inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
+    for (std::size_t i = 0; i < n; ++i) y[r * n + i] = x[r * n + i] * inv * gain[i];
+  }
+}
+
+// Rotates pairs (2i, 2i + 1) of every head of row t by rope_angle(positions[t], i).
+inline void rope(const Config& c, std::span<float> x, std::int32_t heads, std::span<const std::int32_t> positions) {
+  for (std::size_t t = 0; t < positions.size(); ++t)
+    for (std::int32_t h = 0; h < heads; ++h)
+      for (std::int32_t i = 0; i < c.head_dim / 2; ++i) {
+        float* p = x.data() + (t * static_cast<std::size_t>(heads) + static_cast<std::size_t>(h)) * c.head_dim + 2 * i;
+        const float a = rope_angle(c, positions[t], i), cs = std::cos(a), sn = std::sin(a);
+        const float x0 = p[0], x1 = p[1];
+        p[0] = x0 * cs - x1 * sn;
+        p[1] = x0 * sn + x1 * cs;
+      }
+}
+
+template <class Cache>
+class HostLlama {
+ public:
+  using Windows = typename Cache::Windows;
+
+  // The cache must have one layer per entry of its window set; pools hold `cache.capacity()` rows.
+  HostLlama(const Config& config, const Weights& weights, Cache& cache)
+      : c_(config), w_(weights), cache_(cache), pool_(config.layers, cache.capacity(), config.heads_kv, config.head_dim) {}
+
+  [[nodiscard]] std::int32_t vocab() const { return c_.vocab; }
+  [[nodiscard]] std::int32_t min_prefill_tokens() const { return 2; }
+
+  cellkv::Status forward(const cellkv::batching::ForwardStep& step, std::span<float> logits) {
+    pool_.sync(cache_);  // fork copies of the sequence layout
+    const auto T = step.tokens.size();
+    const auto dim = static_cast<std::size_t>(c_.dim);
+    std::vector<float> x(T * dim), h(T * dim), q(T * static_cast<std::size_t>(c_.q_width())),
+        k(T * static_cast<std::size_t>(c_.kv_width())), v(k.size()), attn(q.size()),
+        a(T * static_cast<std::size_t>(c_.ffn)), b(a.size());
+    for (std::size_t t = 0; t < T; ++t)
+      std::copy_n(w_.embed.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(step.tokens[t]) * dim), dim,
+                  x.begin() + static_cast<std::ptrdiff_t>(t * dim));
+    for (std::int32_t l = 0; l < c_.layers; ++l) {
+      const LayerWeights& lw = w_.layers[static_cast<std::size_t>(l)];
+      rmsnorm(x, lw.attn_norm, h, c_.norm_eps);
+      matmul(h, lw.wq, q, c_.dim, c_.q_width(), false);
+      matmul(h, lw.wk, k, c_.dim, c_.kv_width(), false);
+      matmul(h, lw.wv, v, c_.dim, c_.kv_width(), false);
+      rope(c_, q, c_.heads_q, step.positions);
+      rope(c_, k, c_.heads_kv, step.positions);
+      if (const cellkv::Status s = cellkv::reference::update_and_attend(
+              cache_, Windows::window_of_layer(l), pool_.view(l), std::span<const float>(q), std::span<const float>(k),
+              std::span<const float>(v), std::span<float>(attn), c_.heads_q, cellkv::reference::default_scale(c_.head_dim));
+          !s.ok())
+        return s;
+      matmul(attn, lw.wo, x, c_.q_width(), c_.dim, true);
+      rmsnorm(x, lw.ffn_norm, h, c_.norm_eps);
+      matmul(h, lw.w1, a, c_.dim, c_.ffn, false);
+      matmul(h, lw.w3, b, c_.dim, c_.ffn, false);
+      for (std::size_t i = 0; i < a.size(); ++i) a[i] = a[i] / (1.f + std::exp(-a[i])) * b[i];
+      matmul(a, lw.w2, x, c_.ffn, c_.dim, true);
+    }
+    std::vector<float> row(dim);
+    for (std::size_t i = 0; i < step.logit_rows.size(); ++i) {
+      const auto r = static_cast<std::size_t>(step.logit_rows[i]);
+      rmsnorm(std::span<const float>(x).subspan(r * dim, dim), w_.final_norm, row, c_.norm_eps);
+      matmul(row, w_.lm_head, logits.subspan(i * static_cast<std::size_t>(c_.vocab), static_cast<std::size_t>(c_.vocab)),
+             c_.dim, c_.vocab, false);
+    }
+    return {};
+  }
+
+ private:
+  Config c_;
+  const Weights& w_;
+  Cache& cache_;
+  cellkv::HostPool<float> pool_;
+};
+
+}  // namespace llama

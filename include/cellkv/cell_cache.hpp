@@ -1,0 +1,31 @@
+// cellkv/cell_cache.hpp - the host cache: step planning and verbs for both layouts.
+//
+//   CellCache<layout::cell, W, P, MaxSeqs>      rows are cells with (pos, owners) metadata;
+//                                               placement P picks free cells (DESIGN.md section 2)
+//   CellCache<layout::sequence, W, P, MaxSeqs>  sequence s owns rows [s*max_len, (s+1)*max_len)
+//
+// Both serve the same step protocol and verbs (detail/cache_common.hpp) and the same visibility
+// rule; only where rows live differs. The cache is a plain copyable value: compare two with ==.
+//
+//   using Model = cellkv::Windows<0, 128, 0, 128>;
+//   cellkv::CellCache<cellkv::layout::cell, Model> cache({.max_write = 64, .max_cells = 4096});
+//   auto a = cache.seq_new().value();
+//   std::int32_t ids[] = {a, a, a};
+//   auto plan = cache.declare_step(ids);   // rows, positions 0..2, read_len
+#pragma once
+
+#include <cstdint>
+
+#include "cellkv/layout.hpp"
+#include "cellkv/placement.hpp"
+#include "cellkv/windows.hpp"
+
+namespace cellkv {
+
+template <Layout L, WindowSet W, Placement P = placement::lowest_free, std::int32_t MaxSeqs = 256>
+class CellCache;
+
+}  // namespace cellkv
+
+#include "cellkv/detail/cell_layout_cache.hpp"
+#include "cellkv/detail/sequence_layout_cache.hpp"

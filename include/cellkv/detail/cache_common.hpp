@@ -1,0 +1,224 @@
+// cellkv/detail/cache_common.hpp - the step protocol and verbs shared by both layouts.
+//
+// `CacheCommon<Derived, W, MaxSeqs>` owns the sequence table (live ids and each sequence's length,
+// i.e. pos(s)) and the placed step; the layout (Derived) decides where rows live through five hooks:
+//
+//   Status  room_for_step(span<const int32_t> seqs, span<const int32_t> count_per_seq)
+//   int64_t claim_row(int32_t seq, int32_t pos)            // a fresh row for (seq, pos)
+//   void    truncate_rows(int32_t seq, int32_t keep)       // release positions >= keep of seq
+//   void    share_prefix(int32_t src, int32_t dst, int32_t upto)  // dst gets src's positions < upto
+//   int64_t occupied_end()                                 // 1 + highest occupied row, 0 if none
+//   void    clear_rows()                                   // release everything
+//   void    for_each_visible_row(int32_t seq, int32_t lo_pos, int32_t hi_pos, F f)
+//   int32_t row_pos(int64_t row), bool row_owned_by(int64_t row, int32_t seq)
+//
+// Invariant (this verbs): sequence s holds exactly the positions [0, pos(s)).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cellkv/seq_set.hpp"
+#include "cellkv/status.hpp"
+#include "cellkv/step_plan.hpp"
+#include "cellkv/windows.hpp"
+
+namespace cellkv::detail {
+
+template <class Derived, WindowSet W, std::int32_t MaxSeqs>
+class CacheCommon {
+ public:
+  using Windows = W;
+  using Owners = SeqSet<MaxSeqs>;
+  static constexpr std::int32_t kMaxSeqs = MaxSeqs;
+
+  // ---- the step protocol (DESIGN.md section 4) ----
+
+  // Admission gate and placement. Refuses, changing nothing, on: T == 0, T > max_write, an id out
+  // of range or not live, or no room. On success every token has a fresh row and a derived
+  // position, read_len is updated, and the previous step (if any) is replaced.
+  Result<StepPlan> declare_step(std::span<const std::int32_t> seq_ids) {
+    if (const Status s = admit(seq_ids); !s.ok()) return s.code();
+    const auto T = static_cast<std::int32_t>(seq_ids.size());
+    for (std::int32_t t = 0; t < T; ++t) {
+      const std::int32_t s = seq_ids[t];
+      const std::int32_t p = len_[s]++;
+      step_seqs_[t] = s;
+      step_pos_[t] = p;
+      step_rows_[t] = self().claim_row(s, p);
+    }
+    step_tokens_ = T;
+    read_len_ = self().occupied_end();
+    placed_ = true;
+    ++serial_;
+    return step();
+  }
+
+  // The placed step. Precondition: step_placed().
+  [[nodiscard]] StepPlan step() const noexcept {
+    const auto T = static_cast<std::size_t>(step_tokens_);
+    return StepPlan{step_tokens_, std::span<const std::int64_t>(step_rows_.data(), T),
+                    std::span<const std::int32_t>(step_seqs_.data(), T),
+                    std::span<const std::int32_t>(step_pos_.data(), T), read_len_, serial_};
+  }
+  [[nodiscard]] bool step_placed() const noexcept { return placed_; }
+  [[nodiscard]] std::uint64_t step_serial() const noexcept { return serial_; }
+  // Ok when a step is placed and no verb ran since; the gate a forward checks.
+  [[nodiscard]] Status require_step() const noexcept { return placed_ ? Status{} : Status{Errc::no_step_declared}; }
+
+  // ---- verbs (run between steps; each successful verb invalidates a placed step) ----
+
+  // A new, empty sequence with the lowest free id.
+  Result<std::int32_t> seq_new() {
+    const std::int32_t id = live_.first_absent(config_.max_seqs);
+    if (id < 0) return Errc::no_free_sequence;
+    live_.set(id);
+    len_[id] = 0;
+    self().on_seq_created(id);
+    placed_ = false;
+    return id;
+  }
+
+  // A new sequence sharing src's positions < upto (all of them when upto is omitted).
+  Result<std::int32_t> seq_clone(std::int32_t src, std::int32_t upto = -1) {
+    if (const Status s = check_live(src); !s.ok()) return s.code();
+    if (upto == -1) upto = len_[src];
+    if (upto < 0 || upto > len_[src]) return Errc::bad_position;
+    const std::int32_t id = live_.first_absent(config_.max_seqs);
+    if (id < 0) return Errc::no_free_sequence;
+    live_.set(id);
+    len_[id] = upto;
+    self().on_seq_created(id);
+    self().share_prefix(src, id, upto);
+    placed_ = false;
+    return id;
+  }
+
+  // Drops the sequence; its id becomes free, and rows no other sequence holds are released.
+  Status seq_rm(std::int32_t id) {
+    if (const Status s = check_live(id); !s.ok()) return s;
+    self().truncate_rows(id, 0);
+    len_[id] = 0;
+    live_.reset(id);
+    placed_ = false;
+    return {};
+  }
+
+  // Keeps positions < pos of the sequence; 0 <= pos <= pos(id).
+  Status rewind(std::int32_t id, std::int32_t pos) {
+    if (const Status s = check_live(id); !s.ok()) return s;
+    if (pos < 0 || pos > len_[id]) return Errc::bad_position;
+    self().truncate_rows(id, pos);
+    len_[id] = pos;
+    placed_ = false;
+    return {};
+  }
+
+  // Drops every sequence and releases every row.
+  void clear() {
+    self().clear_rows();
+    live_.clear();
+    std::fill(len_.begin(), len_.end(), 0);
+    placed_ = false;
+    read_len_ = 0;
+  }
+
+  // ---- queries ----
+
+  // One past the highest position the sequence holds (0 when none): the next token's position.
+  [[nodiscard]] Result<std::int32_t> pos(std::int32_t id) const {
+    if (const Status s = check_live(id); !s.ok()) return s.code();
+    return len_[id];
+  }
+  [[nodiscard]] bool is_live(std::int32_t id) const noexcept { return in_range(id) && live_.test(id); }
+  [[nodiscard]] std::int32_t live_count() const noexcept { return live_.count(); }
+  [[nodiscard]] const Owners& live_sequences() const noexcept { return live_; }
+  [[nodiscard]] const CacheConfig& config() const noexcept { return config_; }
+  [[nodiscard]] std::int32_t max_write() const noexcept { return config_.max_write; }
+  [[nodiscard]] std::int32_t max_seqs() const noexcept { return config_.max_seqs; }
+  // 1 + highest occupied row now (0 if none); equals the step's read_len right after placement.
+  [[nodiscard]] std::int64_t used_end() const { return self().occupied_end(); }
+
+  // Visibility of `row` to token t of the placed step through a layer of window `window`
+  // (DESIGN.md section 3), computed from the row's metadata. Precondition: t < step().tokens.
+  [[nodiscard]] bool visible(std::int32_t t, std::int64_t row, std::int32_t window) const {
+    const std::int32_t s = step_seqs_[t], p = step_pos_[t];
+    const std::int32_t rp = self().row_pos(row);
+    return rp >= 0 && self().row_owned_by(row, s) && rp <= p && within_window(window, p, rp);
+  }
+
+  // Mask row of token t for window `window` over columns [0, out.size()); out.size() >= read_len.
+  // 1 = visible. Cost: O(out.size()) to clear plus O(visible rows).
+  void mask_row(std::int32_t window, std::int32_t t, std::span<std::uint8_t> out) const {
+    std::fill(out.begin(), out.end(), std::uint8_t{0});
+    const std::int32_t s = step_seqs_[t], p = step_pos_[t];
+    const std::int32_t lo = window == 0 ? 0 : std::max(0, p - window + 1);
+    self().for_each_visible_row(s, lo, p, [&](std::int64_t row) { out[static_cast<std::size_t>(row)] = 1; });
+  }
+
+  // Validates sizes without building: the reason a config would be refused, or ok.
+  static Status validate(const CacheConfig& c) {
+    if (c.max_write < 1 || c.max_seqs < 0 || c.max_seqs > MaxSeqs) return Errc::bad_argument;
+    return Derived::validate_rows(c);
+  }
+
+  friend bool operator==(const CacheCommon&, const CacheCommon&) = default;
+
+ protected:
+  explicit CacheCommon(CacheConfig config) : config_(normalized(config)) {
+    if (const Status s = validate(config_); !s.ok())
+      throw std::invalid_argument("cellkv::CellCache: invalid CacheConfig (" + std::string(s.message()) + ")");
+    const auto w = static_cast<std::size_t>(config_.max_write);
+    step_rows_.assign(w, 0);
+    step_seqs_.assign(w, 0);
+    step_pos_.assign(w, 0);
+    len_.assign(static_cast<std::size_t>(MaxSeqs), 0);
+    step_count_.assign(static_cast<std::size_t>(MaxSeqs), 0);
+  }
+
+  [[nodiscard]] std::int32_t length(std::int32_t s) const noexcept { return len_[s]; }
+
+ private:
+  static CacheConfig normalized(CacheConfig c) {
+    if (c.max_seqs == 0) c.max_seqs = MaxSeqs;
+    return c;
+  }
+  [[nodiscard]] bool in_range(std::int32_t id) const noexcept { return id >= 0 && id < config_.max_seqs; }
+  [[nodiscard]] Status check_live(std::int32_t id) const noexcept {
+    if (!in_range(id)) return Errc::bad_sequence_id;
+    return live_.test(id) ? Status{} : Status{Errc::sequence_not_live};
+  }
+
+  // Every refusal of declare_step, in the order DESIGN.md lists them; changes nothing.
+  Status admit(std::span<const std::int32_t> seq_ids) {
+    if (seq_ids.empty()) return Errc::empty_step;
+    if (seq_ids.size() > static_cast<std::size_t>(config_.max_write)) return Errc::step_too_wide;
+    for (const std::int32_t s : seq_ids)
+      if (const Status st = check_live(s); !st.ok()) return st;
+    for (const std::int32_t s : seq_ids) ++step_count_[s];
+    const Status room = self().room_for_step(seq_ids, step_count_);
+    for (const std::int32_t s : seq_ids) step_count_[s] = 0;
+    return room;
+  }
+
+  Derived& self() noexcept { return static_cast<Derived&>(*this); }
+  const Derived& self() const noexcept { return static_cast<const Derived&>(*this); }
+
+  CacheConfig config_;
+  Owners live_{};
+  std::vector<std::int32_t> len_;         // [MaxSeqs] pos(s)
+  std::vector<std::int32_t> step_count_;  // [MaxSeqs] scratch, all zero between calls
+  std::vector<std::int64_t> step_rows_;   // [max_write]
+  std::vector<std::int32_t> step_seqs_;   // [max_write]
+  std::vector<std::int32_t> step_pos_;    // [max_write]
+  std::int32_t step_tokens_ = 0;
+  std::int64_t read_len_ = 0;
+  std::uint64_t serial_ = 0;
+  bool placed_ = false;
+};
+
+}  // namespace cellkv::detail

@@ -1,0 +1,119 @@
+// cellkv/detail/sequence_layout_cache.hpp - CellCache for layout::sequence (include cellkv/cell_cache.hpp).
+//
+// Sequence s owns slot s: rows [s * max_len, (s + 1) * max_len); position p lives at row
+// s * max_len + p. No per-row metadata is needed: a row is occupied iff its position is below its
+// sequence's length. A fork reports the prefix rows to copy (pending_changes().copies).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "cellkv/cell_cache.hpp"
+#include "cellkv/detail/cache_common.hpp"
+
+namespace cellkv {
+
+template <WindowSet W, Placement P, std::int32_t MaxSeqs>
+class CellCache<layout::sequence, W, P, MaxSeqs>
+    : public detail::CacheCommon<CellCache<layout::sequence, W, P, MaxSeqs>, W, MaxSeqs> {
+  using Base = detail::CacheCommon<CellCache, W, MaxSeqs>;
+  friend Base;
+
+ public:
+  using Layout = layout::sequence;
+  using PlacementPolicy = P;  // unused: a sequence's rows are its slot
+
+  // Throws std::invalid_argument when validate(config) refuses it.
+  explicit CellCache(const CacheConfig& config) : Base(config) {}
+
+  [[nodiscard]] std::int32_t max_len() const noexcept { return this->config().max_len; }
+  [[nodiscard]] std::int64_t capacity() const noexcept {
+    return static_cast<std::int64_t>(this->config().max_seqs) * max_len();
+  }
+  [[nodiscard]] std::int64_t free_cells() const noexcept { return capacity() - used_rows_; }
+  // First row of sequence s's slot.
+  [[nodiscard]] std::int64_t slot_begin(std::int32_t seq) const noexcept {
+    return static_cast<std::int64_t>(seq) * max_len();
+  }
+
+  // Visible rows [begin, end) of token t of the placed step through window `window`.
+  [[nodiscard]] RowRange visible_range(std::int32_t t, std::int32_t window) const {
+    const StepPlan plan = this->step();
+    const std::int32_t p = plan.positions[static_cast<std::size_t>(t)];
+    const auto base = static_cast<std::int32_t>(slot_begin(plan.seqs[static_cast<std::size_t>(t)]));
+    const std::int32_t lo = window == 0 ? 0 : std::max(0, p - window + 1);
+    return {base + lo, base + p + 1};
+  }
+
+  // Fork copies since the last acknowledge_changes(), in the order to run them.
+  [[nodiscard]] PendingChanges pending_changes() const noexcept { return {{}, copies_}; }
+  void acknowledge_changes() noexcept { copies_.clear(); }
+
+  friend bool operator==(const CellCache&, const CellCache&) = default;
+
+ private:
+  static Status validate_rows(const CacheConfig& c) {
+    const std::int64_t seqs = c.max_seqs == 0 ? MaxSeqs : c.max_seqs;
+    const bool ok = c.max_len >= 1 && seqs * c.max_len < (std::int64_t{1} << 31);
+    return ok ? Status{} : Status{Errc::bad_argument};
+  }
+
+  // ---- hooks for CacheCommon ----
+  Status room_for_step(std::span<const std::int32_t> seqs, std::span<const std::int32_t> count) const {
+    for (const std::int32_t s : seqs)
+      if (this->length(s) + count[static_cast<std::size_t>(s)] > max_len()) return Errc::sequence_full;
+    return {};
+  }
+
+  std::int64_t claim_row(std::int32_t seq, std::int32_t pos) {
+    ++used_rows_;
+    nonempty_.set(seq);
+    return slot_begin(seq) + pos;
+  }
+
+  void truncate_rows(std::int32_t seq, std::int32_t keep) {
+    used_rows_ -= this->length(seq) - keep;
+    if (keep == 0) nonempty_.reset(seq);
+  }
+
+  void share_prefix(std::int32_t src, std::int32_t dst, std::int32_t upto) {
+    if (upto == 0) return;
+    copies_.push_back(RowCopy{slot_begin(src), slot_begin(dst), upto});
+    used_rows_ += upto;
+    nonempty_.set(dst);
+  }
+
+  void on_seq_created(std::int32_t) {}
+
+  void clear_rows() {
+    used_rows_ = 0;
+    nonempty_.clear();
+    copies_.clear();  // every destination slot is gone
+  }
+
+  [[nodiscard]] std::int64_t occupied_end() const noexcept {
+    const std::int32_t s = nonempty_.last();
+    return s < 0 ? 0 : slot_begin(s) + this->length(s);
+  }
+
+  template <class F>
+  void for_each_visible_row(std::int32_t seq, std::int32_t lo, std::int32_t hi, F&& f) const {
+    for (std::int32_t p = lo; p <= hi; ++p) f(slot_begin(seq) + p);
+  }
+  [[nodiscard]] std::int32_t row_pos(std::int64_t row) const noexcept {
+    const auto s = static_cast<std::int32_t>(row / max_len());
+    const auto p = static_cast<std::int32_t>(row % max_len());
+    return this->is_live(s) && p < this->length(s) ? p : -1;
+  }
+  [[nodiscard]] bool row_owned_by(std::int64_t row, std::int32_t seq) const noexcept {
+    return row / max_len() == seq;
+  }
+
+  std::int64_t used_rows_ = 0;
+  typename Base::Owners nonempty_{};  // sequences holding at least one row
+  std::vector<RowCopy> copies_;       // fork copies not yet acknowledged
+};
+
+}  // namespace cellkv

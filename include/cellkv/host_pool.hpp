@@ -1,0 +1,57 @@
+// cellkv/host_pool.hpp - every layer's K and V pool in host memory: the host reference path's
+// counterpart of gpu::KVPool. K and V are each [rows, H_kv, D] per layer.
+//
+// Before a step's forward, sync(cache) runs the sequence layout's fork copies reported since the
+// last sync (cache.pending_changes().copies) and acknowledges the cache's changes, as the device
+// cache's upload does.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "cellkv/pool_view.hpp"
+#include "cellkv/step_plan.hpp"
+
+namespace cellkv {
+
+template <class T>
+class HostPool {
+ public:
+  HostPool(std::int32_t layers, std::int64_t rows, std::int32_t heads_kv, std::int32_t head_dim)
+      : rows_(rows), heads_kv_(heads_kv), head_dim_(head_dim) {
+    const auto n = static_cast<std::size_t>(rows) * static_cast<std::size_t>(row_elems());
+    k_.assign(static_cast<std::size_t>(layers), std::vector<T>(n, T{}));
+    v_ = k_;
+  }
+
+  [[nodiscard]] std::int64_t row_elems() const noexcept { return static_cast<std::int64_t>(heads_kv_) * head_dim_; }
+  [[nodiscard]] PoolView<T> view(std::int32_t layer) {
+    return {k_[static_cast<std::size_t>(layer)].data(), v_[static_cast<std::size_t>(layer)].data(), rows_, heads_kv_,
+            head_dim_};
+  }
+
+  // Copies `rows` rows src_row.. -> dst_row.. in K and V of every layer.
+  void copy_rows(const RowCopy& c) {
+    const auto n = static_cast<std::ptrdiff_t>(c.rows * row_elems());
+    for (auto* pools : {&k_, &v_})
+      for (auto& p : *pools)
+        std::copy_n(p.begin() + static_cast<std::ptrdiff_t>(c.src_row * row_elems()), n,
+                    p.begin() + static_cast<std::ptrdiff_t>(c.dst_row * row_elems()));
+  }
+
+  // Applies what the cache changed since the last sync (fork copies), then acknowledges it.
+  template <class Cache>
+  void sync(Cache& cache) {
+    for (const RowCopy& c : cache.pending_changes().copies) copy_rows(c);
+    cache.acknowledge_changes();
+  }
+
+ private:
+  std::int64_t rows_;
+  std::int32_t heads_kv_, head_dim_;
+  std::vector<std::vector<T>> k_, v_;  // [layer][rows * H_kv * D]
+};
+
+}  // namespace cellkv

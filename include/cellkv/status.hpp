@@ -1,0 +1,106 @@
+// cellkv/status.hpp - the status every refusal returns, and Result<T> for verbs that produce a value.
+//
+// Contract: a call that returns a non-ok Status changed nothing (strong guarantee). Nothing in the
+// core aborts or throws on bad input; owners of device memory may throw at construction only.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <utility>
+
+namespace cellkv {
+
+// Why a call was refused. Values are stable; `describe` names each one for a human.
+enum class Errc : std::uint8_t {
+  ok = 0,
+  // step admission (DESIGN.md section 4)
+  empty_step,         // T == 0
+  step_too_wide,      // T > max_write
+  bad_sequence_id,    // id outside [0, max_seqs)
+  sequence_not_live,  // id in range but not created by seq_new / seq_clone, or already removed
+  out_of_cells,       // cell layout: fewer free cells than tokens in the step
+  sequence_full,      // sequence layout: a sequence would pass max_len
+  // verbs
+  no_free_sequence,   // seq_new / seq_clone: every sequence id is live
+  bad_position,       // rewind / seq_clone `upto` outside [0, pos(id)]
+  no_step_declared,   // a forward or upload without a placed step (or after a verb invalidated it)
+  // launchers and device bindings
+  bad_shape,          // a tensor shape disagrees with the pool or the step
+  bad_head_ratio,     // H_q is not a positive multiple of H_kv
+  unsupported_head_dim,
+  unsupported_dtype,
+  misaligned_pointer,  // a pointer is not 16-byte aligned where a kernel needs vector access
+  bad_argument,        // any other argument outside its documented range
+  device_error,        // a CUDA call failed; the message of the CUDA error is logged by the owner
+  // batching
+  unknown_session,
+  too_many_sessions,
+  over_budget,         // a prompt or a generation would pass its token budget
+  overlapping_input,   // the same session was given input twice in one step
+};
+
+[[nodiscard]] constexpr std::string_view describe(Errc e) noexcept {
+  switch (e) {
+    case Errc::ok: return "ok";
+    case Errc::empty_step: return "empty step: a step needs at least one token";
+    case Errc::step_too_wide: return "step too wide: more tokens than max_write";
+    case Errc::bad_sequence_id: return "bad sequence id: outside [0, max_seqs)";
+    case Errc::sequence_not_live: return "sequence not live: the id was never created or was removed";
+    case Errc::out_of_cells: return "out of cells: fewer free cells than tokens in the step";
+    case Errc::sequence_full: return "sequence full: the step would pass max_len for a sequence";
+    case Errc::no_free_sequence: return "no free sequence id: every id is live";
+    case Errc::bad_position: return "bad position: outside [0, pos(id)]";
+    case Errc::no_step_declared: return "no step declared: call declare_step before the forward";
+    case Errc::bad_shape: return "bad shape: a tensor shape disagrees with the pool or the step";
+    case Errc::bad_head_ratio: return "bad head ratio: H_q must be a positive multiple of H_kv";
+    case Errc::unsupported_head_dim: return "unsupported head dim: cellkv supports 64, 128 and 256";
+    case Errc::unsupported_dtype: return "unsupported dtype: cellkv supports bf16, fp16 and fp32";
+    case Errc::misaligned_pointer: return "misaligned pointer: tensors must be 16-byte aligned";
+    case Errc::bad_argument: return "bad argument: a value outside its documented range";
+    case Errc::device_error: return "device error: a CUDA call failed";
+    case Errc::unknown_session: return "unknown session: no live session has this id";
+    case Errc::too_many_sessions: return "too many sessions: every sequence of the cache is in use";
+    case Errc::over_budget: return "over budget: the prompt or generation passes its token budget";
+    case Errc::overlapping_input: return "overlapping input: a session was given input twice";
+  }
+  return "unknown status";
+}
+
+// The outcome of a call that produces no value. Cheap to copy; compare with Errc directly.
+class [[nodiscard]] Status {
+ public:
+  constexpr Status() noexcept = default;
+  constexpr Status(Errc code) noexcept : code_(code) {}  // NOLINT: implicit by design
+
+  [[nodiscard]] constexpr bool ok() const noexcept { return code_ == Errc::ok; }
+  [[nodiscard]] constexpr Errc code() const noexcept { return code_; }
+  [[nodiscard]] constexpr std::string_view message() const noexcept { return describe(code_); }
+  constexpr explicit operator bool() const noexcept { return ok(); }
+
+  friend constexpr bool operator==(Status a, Status b) noexcept { return a.code_ == b.code_; }
+  friend constexpr bool operator==(Status a, Errc b) noexcept { return a.code_ == b; }
+
+ private:
+  Errc code_ = Errc::ok;
+};
+
+// A value or the reason there is none. `value()` on a refused result is a precondition violation.
+template <class T>
+class [[nodiscard]] Result {
+ public:
+  constexpr Result(T value) : value_(std::move(value)) {}  // NOLINT: implicit by design
+  constexpr Result(Errc code) noexcept : status_(code) {}  // NOLINT: implicit by design
+
+  [[nodiscard]] constexpr bool ok() const noexcept { return status_.ok(); }
+  [[nodiscard]] constexpr Status status() const noexcept { return status_; }
+  [[nodiscard]] constexpr const T& value() const& noexcept { return value_; }
+  [[nodiscard]] constexpr T& value() & noexcept { return value_; }
+  [[nodiscard]] constexpr T value_or(T fallback) const { return ok() ? value_ : fallback; }
+  constexpr explicit operator bool() const noexcept { return ok(); }
+
+ private:
+  T value_{};
+  Status status_{};
+};
+
+}  // namespace cellkv

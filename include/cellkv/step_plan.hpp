@@ -1,0 +1,79 @@
+// cellkv/step_plan.hpp - what the host hands the device for a placed step, as plain data.
+//
+// The device side (include/cellkv/cuda/) consumes exactly this: per token its row, sequence and
+// position; read_len; and what changed since the last upload (the cells whose metadata changed,
+// for the cell layout's device mirror, and the row copies of forks, for the sequence layout).
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace cellkv {
+
+// Sizes of a cache, fixed at construction. Fields a layout does not use are ignored.
+struct CacheConfig {
+  std::int32_t max_write = 0;  // widest step, in tokens (both layouts)
+  std::int32_t max_cells = 0;  // cell layout: rows of every layer's pool
+  std::int32_t max_seqs = 0;   // live sequences at once, <= MaxSeqs; 0 means MaxSeqs
+  std::int32_t max_len = 0;    // sequence layout: rows per sequence slot (pool rows = max_seqs * max_len)
+  friend bool operator==(const CacheConfig&, const CacheConfig&) = default;
+};
+
+// A device-to-device copy of `rows` consecutive pool rows in every layer, from src_row to dst_row.
+// The sequence layout's fork (seq_clone) reports one; it must run before the next step's write.
+struct RowCopy {
+  std::int64_t src_row = 0;
+  std::int64_t dst_row = 0;
+  std::int32_t rows = 0;
+  friend bool operator==(const RowCopy&, const RowCopy&) = default;
+};
+
+// Rows [begin, end) a token sees (the sequence layout's form of visibility); empty when begin >= end.
+struct RowRange {
+  std::int32_t begin = 0;
+  std::int32_t end = 0;
+  friend bool operator==(const RowRange&, const RowRange&) = default;
+};
+
+// A placed step of T tokens. The spans point into the cache and stay valid until the next
+// declaration or verb.
+struct StepPlan {
+  std::int32_t tokens = 0;                  // T
+  std::span<const std::int64_t> rows;       // [T] row (cell) written by token t
+  std::span<const std::int32_t> seqs;       // [T] sequence of token t
+  std::span<const std::int32_t> positions;  // [T] position of token t in its sequence
+  std::int64_t read_len = 0;                // 1 + highest occupied row after placement (0 if none)
+  std::uint64_t serial = 0;                 // counts declared steps; a new placement gets a new serial
+};
+
+// A query segment: a maximal run of consecutive step tokens of one sequence, tokens
+// [tok0, tok0 + len) at positions [pos0, pos0 + len) (positions of a sequence's tokens in a step
+// are consecutive in token order). Fast kernels take one segment's queries as one tile of rows.
+struct Segment {
+  std::int32_t seq = 0;
+  std::int32_t tok0 = 0;
+  std::int32_t len = 0;
+  std::int32_t pos0 = 0;
+  friend bool operator==(const Segment&, const Segment&) = default;
+};
+
+// Splits a placed step into its segments, in token order; returns how many were written to out
+// (out.size() >= plan.tokens suffices).
+inline std::int32_t split_segments(const StepPlan& plan, std::span<Segment> out) {
+  std::int32_t n = 0;
+  for (std::int32_t t = 0; t < plan.tokens; ++t) {
+    const auto i = static_cast<std::size_t>(t);
+    const bool extends = n > 0 && out[static_cast<std::size_t>(n - 1)].seq == plan.seqs[i];
+    if (extends) ++out[static_cast<std::size_t>(n - 1)].len;
+    else out[static_cast<std::size_t>(n++)] = Segment{plan.seqs[i], t, 1, plan.positions[i]};
+  }
+  return n;
+}
+
+// What changed since the last `acknowledge_changes()`, for an incremental device upload.
+struct PendingChanges {
+  std::span<const std::int32_t> cells;  // cell layout: cells whose position or owners changed
+  std::span<const RowCopy> copies;      // sequence layout: fork copies, in the order to run them
+};
+
+}  // namespace cellkv

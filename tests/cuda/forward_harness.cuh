@@ -1,0 +1,147 @@
+// A multi-layer forward for the GPU suite: each layer is write + attend through the layer's window,
+// on the device (DeviceCache) and on the host (reference::update_and_attend over double pools that
+// mirror the device pools). Inputs are fresh random values for every step.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+#include "cellkv/cuda/device_cache.cuh"
+#include "cellkv/reference.hpp"
+#include "support.cuh"
+
+namespace cellkv::test {
+
+template <class Cache>
+class ForwardHarness {
+ public:
+  using T = typename Cache::Element;
+  using W = typename Cache::Windows;
+
+  ForwardHarness(Cache& cache, std::int32_t heads_q, std::int32_t max_width)
+      : cache_(cache),
+        heads_q_(heads_q),
+        shape_(cache.pool().shape()),
+        q_(static_cast<std::size_t>(max_width * heads_q * shape_.head_dim)),
+        k_(static_cast<std::size_t>(max_width) * kv_row()),
+        v_(k_.buf.size()),
+        out_(static_cast<std::size_t>(W::kLayers) * q_.buf.size()) {
+    const std::size_t pool = static_cast<std::size_t>(cache.pool().rows()) * kv_row();
+    host_k_.assign(static_cast<std::size_t>(W::kLayers), std::vector<double>(pool, 0.0));
+    host_v_ = host_k_;
+  }
+
+  // Device forward of `width` tokens for every layer (capturable: fixed buffers only).
+  void device_forward(std::int32_t width, ::cuda::stream_ref stream) {
+    for (std::int32_t l = 0; l < W::kLayers; ++l)
+      REQUIRE(cache_.update_and_attend(l, q_.data(), k_.data(), v_.data(), out_.data() + out_offset(l), width, heads_q_, 0.f, stream)
+                  .ok());
+  }
+
+  // New random inputs for the step (width rows; the real tokens are the first T).
+  void new_inputs(std::int32_t width, std::mt19937_64& rng) {
+    const auto qn = static_cast<std::size_t>(width * heads_q_ * shape_.head_dim);
+    const auto kn = static_cast<std::size_t>(width) * kv_row();
+    hq_ = random_values<T>(qn, rng);
+    hk_ = random_values<T>(kn, rng);
+    hv_ = random_values<T>(kn, rng);
+    REQUIRE(cudaMemcpy(q_.data(), hq_.data(), qn * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemcpy(k_.data(), hk_.data(), kn * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemcpy(v_.data(), hv_.data(), kn * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+    out_.fill(poison<T>());
+  }
+
+  // The host reference of the placed step (T real tokens) for every layer; compares with the
+  // device outputs of those tokens. Returns the worst relative error.
+  double check_against_reference() {
+    const auto& host = cache_.host();
+    const std::int32_t T_tokens = host.step().tokens;
+    const auto qn = static_cast<std::size_t>(T_tokens * heads_q_ * shape_.head_dim);
+    const auto kn = static_cast<std::size_t>(T_tokens) * kv_row();
+    const std::vector<double> q = as_double(std::vector<T>(hq_.begin(), hq_.begin() + static_cast<std::ptrdiff_t>(qn)));
+    const std::vector<double> k = as_double(std::vector<T>(hk_.begin(), hk_.begin() + static_cast<std::ptrdiff_t>(kn)));
+    const std::vector<double> v = as_double(std::vector<T>(hv_.begin(), hv_.begin() + static_cast<std::ptrdiff_t>(kn)));
+    const std::vector<T> got_all = out_.download();
+    double worst = 0;
+    for (std::int32_t l = 0; l < W::kLayers; ++l) {
+      std::vector<double> want(qn);
+      const PoolView<double> pool{host_k_[static_cast<std::size_t>(l)].data(), host_v_[static_cast<std::size_t>(l)].data(),
+                                  cache_.pool().rows(), shape_.heads_kv, shape_.head_dim};
+      REQUIRE(reference::update_and_attend<std::remove_cvref_t<decltype(host)>, double>(
+                  host, W::window_of_layer(l), pool, q, k, v, want, heads_q_, reference::default_scale(shape_.head_dim))
+                  .ok());
+      const auto first = got_all.begin() + static_cast<std::ptrdiff_t>(out_offset(l));
+      worst = std::max(worst, compare_outputs(std::vector<T>(first, first + static_cast<std::ptrdiff_t>(qn)), want,
+                                              shape_.head_dim));
+    }
+    return worst;
+  }
+
+  // Outputs of the padding rows [T, width) of every layer: must be exactly zero.
+  bool padding_rows_are_zero(std::int32_t width) {
+    const std::int32_t T_tokens = cache_.host().step().tokens;
+    const std::vector<T> got_all = out_.download();
+    const auto row = static_cast<std::size_t>(heads_q_ * shape_.head_dim);
+    for (std::int32_t l = 0; l < W::kLayers; ++l)
+      for (std::size_t i = static_cast<std::size_t>(T_tokens) * row; i < static_cast<std::size_t>(width) * row; ++i)
+        if (to_double(got_all[out_offset(l) + i]) != 0.0) return false;
+    return true;
+  }
+
+  // Fork copies of the sequence layout, applied to the host pools too.
+  void mirror_copies(const std::vector<RowCopy>& copies) {
+    for (const RowCopy& c : copies)
+      for (std::int32_t l = 0; l < W::kLayers; ++l)
+        for (auto* pool : {&host_k_[static_cast<std::size_t>(l)], &host_v_[static_cast<std::size_t>(l)]})
+          std::copy_n(pool->begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(c.src_row) * kv_row()),
+                      static_cast<std::size_t>(c.rows) * kv_row(),
+                      pool->begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(c.dst_row) * kv_row()));
+  }
+
+ private:
+  std::size_t kv_row() const { return static_cast<std::size_t>(shape_.heads_kv * shape_.head_dim); }
+  std::size_t out_offset(std::int32_t layer) const { return static_cast<std::size_t>(layer) * q_.buf.size(); }
+
+  Cache& cache_;
+  std::int32_t heads_q_;
+  gpu::PoolShape shape_;
+  DeviceArray<T> q_, k_, v_, out_;  // out_: [layers][max_width, H_q, D]
+  std::vector<T> hq_, hk_, hv_;
+  std::vector<std::vector<double>> host_k_, host_v_;  // [layer][rows * H_kv * D]
+};
+
+// Random traffic for a cache: occasionally a verb (new, clone, remove, rewind), then a declared
+// step over live sequences of 1..max_width tokens. Removes sequences until the step fits.
+// Returns the placed step's token count.
+template <class Host, class Cache>
+std::int32_t random_step(Cache& cache, std::int32_t max_width, std::mt19937_64& rng) {
+  auto pick = [&](std::int32_t n) { return static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(n)); };
+  const Host& host = cache.host();
+  auto live = [&] {
+    std::vector<std::int32_t> ids;
+    host.live_sequences().for_each([&](std::int32_t s) { ids.push_back(s); });
+    return ids;
+  };
+  auto any_live = [&] { const auto ids = live(); return ids[static_cast<std::size_t>(pick(static_cast<std::int32_t>(ids.size())))]; };
+  if (live().empty()) REQUIRE(cache.seq_new().ok());
+  switch (pick(8)) {
+    case 0: (void)cache.seq_new(); break;
+    case 1: { const auto s = any_live(); (void)cache.seq_clone(s, pick(host.pos(s).value() + 1)); break; }
+    case 2: if (live().size() > 1) REQUIRE(cache.seq_rm(any_live()).ok()); break;
+    case 3: { const auto s = any_live(); REQUIRE(cache.rewind(s, pick(host.pos(s).value() + 1)).ok()); break; }
+    default: break;
+  }
+  for (;;) {
+    const auto ids = live();
+    std::vector<std::int32_t> step(static_cast<std::size_t>(1 + pick(max_width)));
+    for (auto& s : step) s = ids[static_cast<std::size_t>(pick(static_cast<std::int32_t>(ids.size())))];
+    if (cache.declare_step(step).ok()) return static_cast<std::int32_t>(step.size());
+    REQUIRE(cache.seq_rm(ids[static_cast<std::size_t>(pick(static_cast<std::int32_t>(ids.size())))]).ok());
+    if (live().empty()) REQUIRE(cache.seq_new().ok());
+  }
+}
+
+}  // namespace cellkv::test

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs the GPU checks on a machine with a CUDA device: the GPU suite, the same suite under
+# compute-sanitizer memcheck and racecheck, and the GPU example. Logs go to $LOG_DIR (default:
+# ./gpu-logs); prints one summary line per check. Usage: run_on_device.sh [BUILD_DIR]
+set -uo pipefail
+build="${1:-build}"
+logs="${LOG_DIR:-gpu-logs}"
+mkdir -p "$logs"
+suite="$build/tests/cuda/cellkv-gpu-tests"
+status=0
+check() {  # name, command...
+  local name="$1"; shift
+  local start=$SECONDS
+  "$@" >"$logs/$name.log" 2>&1
+  local rc=$?
+  printf '%-12s rc=%d %4ds  %s\n' "$name" "$rc" $((SECONDS - start)) "$(grep -E 'test cases:|ERROR SUMMARY|RACECHECK SUMMARY|^OK|^FAILED' "$logs/$name.log" | tail -2 | tr '\n' ' ')"
+  [ "$rc" -eq 0 ] || status=1
+}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$logs/gpu.txt" 2>&1
+check gpu-suite "$suite"
+limit="${SANITIZER_TIMEOUT:-900}"
+check memcheck timeout "$limit" compute-sanitizer --tool memcheck --leak-check full --error-exitcode 1 "$suite"
+check racecheck timeout "$limit" compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 1 "$suite"
+[ -x "$build/examples/cellkv-gpu-steps" ] && check gpu-example "$build/examples/cellkv-gpu-steps"
+exit $status

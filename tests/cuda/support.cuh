@@ -1,0 +1,124 @@
+// Helpers for the GPU suite: device arrays, random data, host copies as double, tolerances.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cellkv/cuda/dtype.hpp"
+#include "cellkv/cuda/memory.hpp"
+#include "cellkv/status.hpp"
+
+template <>
+struct doctest::StringMaker<cellkv::Status> {
+  static doctest::String convert(cellkv::Status s) { return std::string(s.message()).c_str(); }
+};
+template <>
+struct doctest::StringMaker<cellkv::Errc> {
+  static doctest::String convert(cellkv::Errc e) { return std::string(cellkv::describe(e)).c_str(); }
+};
+
+namespace cellkv::test {
+
+inline double to_double(float x) { return x; }
+inline double to_double(__half x) { return static_cast<double>(__half2float(x)); }
+inline double to_double(__nv_bfloat16 x) { return static_cast<double>(__bfloat162float(x)); }
+
+template <class T>
+T from_double(double x) {
+  if constexpr (std::is_same_v<T, float>) return static_cast<float>(x);
+  else if constexpr (std::is_same_v<T, __half>) return __float2half_rn(static_cast<float>(x));
+  else return __float2bfloat16_rn(static_cast<float>(x));
+}
+
+// A bit pattern that reads as NaN in every element type: poison for "was this written?".
+template <class T>
+T poison() {
+  if constexpr (sizeof(T) == 2) return std::bit_cast<T>(std::uint16_t{0xffff});
+  else return std::bit_cast<T>(std::uint32_t{0xffffffff});
+}
+
+template <class T>
+bool is_poison(T x) {
+  const T p = poison<T>();
+  return std::memcmp(&x, &p, sizeof(T)) == 0;
+}
+
+// Relative tolerance of an output against a float64 reference.
+template <class T>
+double tolerance() {
+  return std::is_same_v<T, float> ? 1e-5 : 1e-2;
+}
+
+// Host values drawn uniformly from [-1, 1), already rounded to T.
+template <class T>
+std::vector<T> random_values(std::size_t n, std::mt19937_64& rng) {
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  std::vector<T> out(n);
+  for (auto& x : out) x = from_double<T>(u(rng));
+  return out;
+}
+
+template <class T>
+std::vector<double> as_double(const std::vector<T>& v) {
+  std::vector<double> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_double(v[i]);
+  return out;
+}
+
+// A device array with host round trips (synchronous; tests only).
+template <class T>
+struct DeviceArray {
+  gpu::DeviceBuffer<T> buf;
+  explicit DeviceArray(std::size_t n) : buf(n) {}
+  explicit DeviceArray(const std::vector<T>& host) : buf(host.size()) { upload(host); }
+  void upload(const std::vector<T>& host) {
+    REQUIRE(cudaMemcpy(buf.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(buf.size());
+    REQUIRE(cudaMemcpy(host.data(), buf.data(), host.size() * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
+    return host;
+  }
+  void fill(T value) { upload(std::vector<T>(buf.size(), value)); }
+  T* data() const { return buf.data(); }
+};
+
+// Compares attention outputs [tokens, heads, D] with a float64 reference: per (token, head), the
+// largest error relative to the largest reference value (absolute when the row is all zeros), and
+// no poison left. Returns the worst relative error.
+template <class T>
+double compare_outputs(const std::vector<T>& got, const std::vector<double>& want, std::int32_t head_dim) {
+  REQUIRE(got.size() == want.size());
+  double worst = 0;
+  for (std::size_t r = 0; r < got.size(); r += static_cast<std::size_t>(head_dim)) {
+    double scale = 0, err = 0;
+    for (std::int32_t d = 0; d < head_dim; ++d) {
+      const std::size_t i = r + static_cast<std::size_t>(d);
+      REQUIRE_FALSE(is_poison(got[i]));
+      REQUIRE(std::isfinite(to_double(got[i])));
+      scale = std::max(scale, std::abs(want[i]));
+      err = std::max(err, std::abs(to_double(got[i]) - want[i]));
+    }
+    if (scale == 0) REQUIRE(err == 0);  // a row that sees nothing is exactly zero
+    worst = std::max(worst, scale == 0 ? err : err / scale);
+  }
+  return worst;
+}
+
+inline void require_device_ok() {
+  REQUIRE(cudaGetLastError() == cudaSuccess);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+}
+
+}  // namespace cellkv::test

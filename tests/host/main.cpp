@@ -1,0 +1,3 @@
+// Host suite entry point (doctest).
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>

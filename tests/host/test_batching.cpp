@@ -1,0 +1,1300 @@
+// The tier-0 batching primitives: plan_slices and first_slice (the documented examples exactly,
+// then properties over many arguments) and SessionTable driving a real host cache (packing order,
+// slices planned against the room left in a step, the min_prefill waiting rule, positions from
+// declare_step, logit rows, clones sharing cells, every refusal with a snapshot compare of the
+// table and the cache, a long random simulation checked step by step against a model, and the
+// no-starvation bound under steady decoding).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <iterator>
+#include <map>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "cellkv/batching/batching.hpp"
+#include "cellkv/cell_cache.hpp"
+#include "support.hpp"
+
+namespace {
+
+using namespace cellkv;
+using namespace cellkv::batching;
+using test::Positions;
+using test::Rows;
+
+using Tokens = std::vector<std::int32_t>;
+using Slices = std::vector<Slice>;
+using LogitRows = std::vector<LogitRow>;
+using Ids = std::vector<SessionId>;
+
+constexpr Method kP = Method::prefill;
+constexpr Method kD = Method::decode;
+
+using Full = Windows<0>;
+using Cells = CellCache<layout::cell, Full>;
+using Slots = CellCache<layout::sequence, Full>;
+using CellTable = SessionTable<Cells>;
+using SlotTable = SessionTable<Slots>;
+
+// n one-token decode slices from `begin`.
+Slices decodes(std::int32_t begin, std::int32_t n) {
+  Slices out;
+  for (std::int32_t i = 0; i < n; ++i) out.push_back({begin + i, 1, kD});
+  return out;
+}
+Slices concat(Slices a, const Slices& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+// first, first + 1, ..., first + n - 1.
+Tokens iota_tokens(std::int32_t first, std::int32_t n) {
+  Tokens t(static_cast<std::size_t>(n));
+  for (std::int32_t i = 0; i < n; ++i) t[static_cast<std::size_t>(i)] = first + i;
+  return t;
+}
+Tokens to_tokens(std::span<const std::int32_t> s) { return {s.begin(), s.end()}; }
+
+// The contract of plan_slices, token by token: token i lies in chunk i / max; a chunk of L tokens
+// (max, or the remainder) is one prefill slice when L > 1 and L >= min, else L decode slices.
+bool follows_the_rule(const Slices& plan, std::int32_t total, std::int32_t max, std::int32_t min) {
+  std::int32_t next = 0;
+  for (const Slice& s : plan) {
+    if (s.begin != next || s.length < 1) return false;
+    const std::int32_t chunk_begin = s.begin / max * max;
+    const std::int32_t chunk_len = std::min(max, total - chunk_begin);
+    const bool prefill = chunk_len > 1 && chunk_len >= min;
+    if (s.method != (prefill ? kP : kD)) return false;
+    if (prefill && (s.begin != chunk_begin || s.length != chunk_len || s.length > max || s.length < min)) return false;
+    if (!prefill && s.length != 1) return false;
+    next += s.length;
+  }
+  return next == total;
+}
+
+// ---- a step through table and cache ----
+
+struct Ran {
+  StepBatch batch;
+  Positions positions;
+  Rows rows;
+};
+
+// next_step, check_batch and declare_step; the batch stays in flight.
+template <class Cache>
+Ran declare(Cache& cache, SessionTable<Cache>& table) {
+  auto batch = table.next_step();
+  REQUIRE(batch.ok());
+  REQUIRE(table.check_batch(batch.value()).ok());
+  REQUIRE(cache.declare_step(batch.value().seqs).ok());
+  return {batch.value(), test::step_positions(cache), test::step_rows(cache)};
+}
+
+// declare, then accept `sampled`.
+template <class Cache>
+Ran run(Cache& cache, SessionTable<Cache>& table, const Tokens& sampled) {
+  Ran r = declare(cache, table);
+  REQUIRE(table.accept(sampled).ok());
+  return r;
+}
+
+// Every live session's cache sequence holds what the table says it holds.
+template <class Cache>
+void check_positions(const Cache& cache, const SessionTable<Cache>& table) {
+  for (const SessionId id : table.sessions()) {
+    const std::int32_t seq = table.sequence_of(id).value();
+    CHECK(cache.pos(seq).value() == table.cached_tokens(id).value());
+  }
+}
+
+constexpr SessionLimits kLimits{.max_write = 8, .min_prefill_tokens = 2, .max_tokens_per_session = 32};
+
+Cells make_cells(std::int32_t max_seqs = 0, std::int32_t max_cells = 64) {
+  return Cells({.max_write = 8, .max_cells = max_cells, .max_seqs = max_seqs});
+}
+
+}  // namespace
+
+// ================================ plan_slices ================================
+
+TEST_CASE("plan_slices: the documented examples") {
+  CHECK(plan_slices(9, 8, 2) == Slices{{0, 8, kP}, {8, 1, kD}});
+  CHECK(plan_slices(10, 8, 2) == Slices{{0, 8, kP}, {8, 2, kP}});
+  CHECK(plan_slices(0, 8, 2).empty());
+  CHECK(plan_slices(4, 8, 5) == Slices{{0, 1, kD}, {1, 1, kD}, {2, 1, kD}, {3, 1, kD}});
+  CHECK(plan_slices(11, 8, 5) == Slices{{0, 8, kP}, {8, 1, kD}, {9, 1, kD}, {10, 1, kD}});
+  CHECK(first_slice(11, 8, 5) == Slice{0, 8, kP});
+}
+
+TEST_CASE("plan_slices: edges of the rule") {
+  CHECK(plan_slices(3, 1, 1) == decodes(0, 3));  // max_step_tokens == 1: every token decodes
+  CHECK(plan_slices(9, 4, 5) == decodes(0, 9));  // a full chunk below min_prefill decodes too
+  CHECK(plan_slices(8, 8, 9) == decodes(0, 8));
+  CHECK(plan_slices(8, 8, 8) == Slices{{0, 8, kP}});
+  CHECK(plan_slices(16, 8, 2) == Slices{{0, 8, kP}, {8, 8, kP}});
+  CHECK(plan_slices(17, 8, 8) == Slices{{0, 8, kP}, {8, 8, kP}, {16, 1, kD}});
+  CHECK(plan_slices(5, 8, 2) == Slices{{0, 5, kP}});
+  CHECK(plan_slices(1, 8, 1) == Slices{{0, 1, kD}});  // one token is never a prefill
+  CHECK(plan_slices(2, 8, 1) == Slices{{0, 2, kP}});
+  CHECK(plan_slices(20, 8, 5) == concat(Slices{{0, 8, kP}, {8, 8, kP}}, decodes(16, 4)));
+  CHECK(plan_slices(21, 8, 5) == Slices{{0, 8, kP}, {8, 8, kP}, {16, 5, kP}});
+}
+
+TEST_CASE("plan_slices: properties over many arguments") {
+  std::int32_t combos = 0, failures = 0;
+  for (std::int32_t total = 0; total <= 70; ++total)
+    for (std::int32_t max = 1; max <= 12; ++max)
+      for (std::int32_t min = 1; min <= 14; ++min) {
+        const Slices plan = plan_slices(total, max, min);
+        const auto checked = plan_slices_checked(total, max, min);
+        const Slice first = plan.empty() ? Slice{} : plan.front();
+        const bool ok = follows_the_rule(plan, total, max, min) && checked.ok() && checked.value() == plan &&
+                        first_slice(total, max, min) == first;
+        if (!ok) {
+          ++failures;
+          INFO("total ", total, " max ", max, " min ", min);
+          CHECK(ok);
+        }
+        ++combos;
+      }
+  CHECK(combos == 71 * 12 * 14);
+  CHECK(failures == 0);
+}
+
+TEST_CASE("plan_slices: invalid arguments give an empty plan and bad_argument") {
+  const std::int32_t bad[][3] = {{-1, 8, 2}, {4, 0, 2}, {4, -3, 2}, {4, 8, 0}, {4, 8, -1}, {-5, 0, 0}};
+  for (const auto& a : bad) {
+    INFO(a[0], " ", a[1], " ", a[2]);
+    CHECK(plan_slices(a[0], a[1], a[2]).empty());
+    CHECK(plan_slices_checked(a[0], a[1], a[2]).status() == Errc::bad_argument);
+    CHECK(first_slice(a[0], a[1], a[2]) == Slice{});
+  }
+  CHECK(plan_slices_checked(0, 1, 1).ok());
+  CHECK(plan_slices_checked(0, 1, 1).value().empty());
+  CHECK(first_slice(0, 8, 2) == Slice{});
+}
+
+TEST_CASE("first_slice: the front of plan_slices, without the plan") {
+  static_assert(first_slice(20, 5, 2) == Slice{0, 5, kP});  // a chunk that fills max_step_tokens
+  static_assert(first_slice(3, 5, 2) == Slice{0, 3, kP});   // the whole rest, when it is shorter
+  static_assert(first_slice(20, 1, 1) == Slice{0, 1, kD});  // room for one token: a decode
+  static_assert(first_slice(20, 3, 4) == Slice{0, 1, kD});  // a chunk below min_prefill: one decode
+  static_assert(first_slice(3, 8, 4) == Slice{0, 1, kD});   // a rest below min_prefill: one decode
+  static_assert(first_slice(1, 8, 1) == Slice{0, 1, kD});
+  static_assert(first_slice(100000, 64, 64) == Slice{0, 64, kP});
+  CHECK(first_slice(100000, 64, 65) == Slice{0, 1, kD});
+}
+
+// ================================ SessionTable ================================
+
+TEST_CASE("session table: decode tokens first, then prompt slices, oldest first") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{10, 11, 12}, 3).value();  // P3
+  const SessionId b = table.add(iota_tokens(100, 5), 2).value();  // P5
+  const SessionId c = table.add(Tokens{200}, 1).value();          // D1
+  CHECK(Ids{a, b, c} == Ids{1, 2, 3});
+  CHECK(table.sequence_of(a).value() == 0);
+  CHECK(table.sequence_of(b).value() == 1);
+  CHECK(table.sequence_of(c).value() == 2);
+  CHECK(table.feeding_count() == 3);
+
+  // a's P3 and b's P5 fill the step; c's D1 waits.
+  Ran r = run(cache, table, {50, 60});
+  CHECK(r.batch.tokens == Tokens{10, 11, 12, 100, 101, 102, 103, 104});
+  CHECK(r.batch.seqs == Tokens{0, 0, 0, 1, 1, 1, 1, 1});
+  CHECK(r.batch.logit_rows == LogitRows{{2, a, true}, {7, b, true}});
+  CHECK(r.positions == Positions{0, 1, 2, 0, 1, 2, 3, 4});
+  CHECK(r.rows == Rows{0, 1, 2, 3, 4, 5, 6, 7});
+  CHECK(table.generating_count() == 2);
+  CHECK(table.feeding_count() == 1);
+  check_positions(cache, table);
+
+  // Decodes of a and b (oldest first), then c's prompt.
+  r = run(cache, table, {51, 61, 70});
+  CHECK(r.batch.tokens == Tokens{50, 60, 200});
+  CHECK(r.batch.seqs == Tokens{0, 1, 2});
+  CHECK(r.batch.logit_rows == LogitRows{{0, a, true}, {1, b, true}, {2, c, true}});
+  CHECK(r.positions == Positions{3, 5, 0});
+  CHECK(table.state(b).value() == SessionState::done);
+  CHECK(table.state(c).value() == SessionState::done);
+
+  r = run(cache, table, {52});
+  CHECK(r.batch.tokens == Tokens{51});
+  CHECK(r.batch.logit_rows == LogitRows{{0, a, true}});
+  CHECK(r.positions == Positions{4});
+
+  CHECK(table.next_step().status() == Errc::empty_step);
+  CHECK(table.done_count() == 3);
+  CHECK(to_tokens(table.output(a).value()) == Tokens{50, 51, 52});
+  CHECK(to_tokens(table.output(b).value()) == Tokens{60, 61});
+  CHECK(to_tokens(table.output(c).value()) == Tokens{70});
+  CHECK(table.cached_tokens(a).value() == 5);  // 3 prompt + 2 fed generated tokens
+  CHECK(table.cached_tokens(b).value() == 6);
+  CHECK(table.cached_tokens(c).value() == 1);
+  check_positions(cache, table);
+}
+
+TEST_CASE("session table: a prompt slice is planned against the room left and feeding is first in, first out") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{1, 2, 3}, 3).value();
+  run(cache, table, {50});
+  const SessionId b = table.add(iota_tokens(100, 8), 1).value();  // P8: 7 tokens fit behind a's decode
+  const SessionId c = table.add(Tokens{200, 201}, 1).value();     // no room left for c: it waits
+
+  Ran r = run(cache, table, {51});
+  CHECK(r.batch.tokens == Tokens{50, 100, 101, 102, 103, 104, 105, 106});
+  CHECK(r.batch.seqs == Tokens{0, 1, 1, 1, 1, 1, 1, 1});
+  CHECK(r.batch.logit_rows == LogitRows{{0, a, true}, {7, b, false}});
+  CHECK(r.positions == Positions{3, 0, 1, 2, 3, 4, 5, 6});
+  CHECK(table.cached_tokens(b).value() == 7);
+  CHECK(table.state(c).value() == SessionState::feeding);
+  CHECK(table.cached_tokens(c).value() == 0);
+
+  // b's last prompt token, then c's P2 in the room left.
+  r = run(cache, table, {52, 80, 90});
+  CHECK(r.batch.tokens == Tokens{51, 107, 200, 201});
+  CHECK(r.batch.seqs == Tokens{0, 1, 2, 2});
+  CHECK(r.batch.logit_rows == LogitRows{{0, a, true}, {1, b, true}, {3, c, true}});
+  CHECK(r.positions == Positions{4, 7, 0, 1});
+  CHECK(table.next_step().status() == Errc::empty_step);
+  CHECK(table.done_count() == 3);
+  CHECK(to_tokens(table.output(a).value()) == Tokens{50, 51, 52});
+  CHECK(to_tokens(table.output(b).value()) == Tokens{80});
+  CHECK(to_tokens(table.output(c).value()) == Tokens{90});
+  check_positions(cache, table);
+}
+
+TEST_CASE("session table: a long prompt joins decoding sessions in chunks that fill the room") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);  // max_write 8, min_prefill 2
+  const SessionId a = table.add(Tokens{1}, 10).value();
+  const SessionId b = table.add(Tokens{2}, 10).value();
+  const SessionId c = table.add(Tokens{3}, 10).value();
+  Ran r = run(cache, table, {50, 60, 70});
+  CHECK(r.batch.tokens == Tokens{1, 2, 3});
+  CHECK(table.generating_count() == 3);
+
+  // Under a plan cut once at admission ({8, 4}) x would wait for a, b and c to finish; planned
+  // against the room, it goes in as chunks of the 5 tokens left beside their 3 decodes.
+  const SessionId x = table.add(iota_tokens(100, 12), 1).value();
+  r = run(cache, table, {51, 61, 71});
+  CHECK(r.batch.tokens == Tokens{50, 60, 70, 100, 101, 102, 103, 104});
+  CHECK(r.batch.seqs == Tokens{0, 1, 2, 3, 3, 3, 3, 3});
+  CHECK(r.batch.logit_rows == LogitRows{{0, a, true}, {1, b, true}, {2, c, true}, {7, x, false}});
+  CHECK(r.positions == Positions{1, 1, 1, 0, 1, 2, 3, 4});
+  r = run(cache, table, {52, 62, 72});
+  CHECK(r.batch.tokens == Tokens{51, 61, 71, 105, 106, 107, 108, 109});
+  CHECK(r.batch.logit_rows == LogitRows{{0, a, true}, {1, b, true}, {2, c, true}, {7, x, false}});
+  CHECK(r.positions == Positions{2, 2, 2, 5, 6, 7, 8, 9});
+  r = run(cache, table, {53, 63, 73, 80});  // the rest, 2 tokens: x samples
+  CHECK(r.batch.tokens == Tokens{52, 62, 72, 110, 111});
+  CHECK(r.batch.logit_rows == LogitRows{{0, a, true}, {1, b, true}, {2, c, true}, {4, x, true}});
+  CHECK(r.positions == Positions{3, 3, 3, 10, 11});
+  CHECK(table.state(x).value() == SessionState::done);
+  CHECK(to_tokens(table.output(x).value()) == Tokens{80});
+  check_positions(cache, table);
+}
+
+TEST_CASE("session table: a prompt longer than max_write joins while max_write - 1 sessions decode") {
+  constexpr std::int32_t kW = 64;
+  constexpr std::int32_t kPrompt = 150;
+  Cells cache({.max_write = kW, .max_cells = 16384, .max_seqs = kW});
+  CellTable table(cache, {.max_write = kW, .min_prefill_tokens = 4, .max_tokens_per_session = 256});
+  Ids decoders;
+  for (std::int32_t i = 0; i < kW - 1; ++i) decoders.push_back(table.add(Tokens{i}, 200).value());
+  Ran r = run(cache, table, Tokens(kW - 1, 7));  // 63 one-token prompts in one step
+  REQUIRE(table.generating_count() == kW - 1);
+  const Tokens prompt = iota_tokens(1000, kPrompt);
+  const SessionId x = table.add(prompt, 1).value();
+  const std::int32_t xs = table.sequence_of(x).value();
+
+  // How many decoders are left in each step: all 63 (room 1) for 5 steps, then 43 (room 21) for 3
+  // steps, then 3 (room 61) until x is in. Every step but the last of x fills max_write exactly.
+  std::int32_t fed = 0, steps = 0;
+  while (table.state(x).value() == SessionState::feeding) {
+    const std::int32_t keep = steps < 5 ? kW - 1 : steps < 8 ? kW - 21 : 3;
+    while (table.generating_count() > keep) REQUIRE(table.finish(table.sessions().front()).ok());
+    const std::int32_t room = kW - table.generating_count();
+    const std::int32_t left = kPrompt - fed;
+    const std::int32_t chunk = std::min(left, room);
+    INFO("step ", steps, " room ", room, " left ", left);
+    r = declare(cache, table);
+    CHECK(r.batch.size() == kW - room + chunk);
+    if (chunk < left) CHECK(r.batch.size() == kW);
+    CHECK(r.batch.logit_rows.back() == LogitRow{r.batch.size() - 1, x, chunk == left});
+    const auto begin = static_cast<std::size_t>(kW - room);
+    CHECK(Tokens(r.batch.tokens.begin() + static_cast<std::ptrdiff_t>(begin), r.batch.tokens.end()) ==
+          Tokens(prompt.begin() + fed, prompt.begin() + fed + chunk));
+    CHECK(std::all_of(r.batch.seqs.begin() + static_cast<std::ptrdiff_t>(begin), r.batch.seqs.end(),
+                      [&](std::int32_t s) { return s == xs; }));
+    for (std::int32_t t = 0; t < chunk; ++t) CHECK(r.positions[begin + static_cast<std::size_t>(t)] == fed + t);
+    REQUIRE(table.accept(Tokens(static_cast<std::size_t>(kW - room + (chunk == left ? 1 : 0)), 9)).ok());
+    fed += chunk;
+    ++steps;
+  }
+  CHECK(fed == kPrompt);
+  CHECK(steps == 5 + 3 + 2);  // 5 x 1 + 3 x 21 + 61 + the last 21
+  CHECK(table.cached_tokens(x).value() == kPrompt);
+  CHECK(table.generating_count() == 3);
+  check_positions(cache, table);
+}
+
+TEST_CASE("session table: a short room feeds a single prompt token only when the step has none yet") {
+  auto cache = make_cells();
+  CellTable table(cache, {.max_write = 8, .min_prefill_tokens = 4, .max_tokens_per_session = 64});
+  Ids g;
+  for (std::int32_t i = 0; i < 5; ++i) g.push_back(table.add(Tokens{i}, 30).value());
+  // One-token prompts are below min_prefill whatever the room: no waiting helps them, they go in.
+  Ran r = run(cache, table, Tokens(5, 50));
+  CHECK(r.batch.tokens == Tokens{0, 1, 2, 3, 4});
+  const SessionId x = table.add(iota_tokens(100, 10), 3).value();
+  const SessionId y = table.add(iota_tokens(200, 7), 1).value();
+  const SessionId z = table.add(Tokens{300}, 1).value();
+
+  // Room 3 < min_prefill 4: x, the first prompt of the step, gets one token anyway (progress); y
+  // would get one token only because the room is short, so it waits, and z (which would fit)
+  // waits behind it: 2 tokens of the step stay empty.
+  r = run(cache, table, Tokens(5, 51));
+  CHECK(r.batch.tokens == Tokens{50, 50, 50, 50, 50, 100});
+  CHECK(r.batch.logit_rows.back() == LogitRow{5, x, false});
+  CHECK(table.cached_tokens(y).value() == 0);
+  CHECK(table.cached_tokens(z).value() == 0);
+
+  // Room 5: x takes a prefill of 5, nothing is left for y.
+  REQUIRE(table.finish(g[0]).ok());
+  REQUIRE(table.finish(g[1]).ok());
+  r = run(cache, table, Tokens(3, 52));
+  CHECK(r.batch.tokens == Tokens{51, 51, 51, 101, 102, 103, 104, 105});
+  CHECK(r.batch.logit_rows.back() == LogitRow{7, x, false});
+
+  // x's last 4 tokens (a prefill of min_prefill); room 1 is short for y again: it waits.
+  r = run(cache, table, {53, 53, 53, 80});
+  CHECK(r.batch.tokens == Tokens{52, 52, 52, 106, 107, 108, 109});
+  CHECK(r.batch.logit_rows.back() == LogitRow{6, x, true});
+  CHECK(table.cached_tokens(y).value() == 0);
+
+  // Four decodes (x joined), room 4: y's prefill of 4 fills it.
+  r = run(cache, table, {54, 54, 54, 81});
+  CHECK(r.batch.tokens == Tokens{53, 53, 53, 80, 200, 201, 202, 203});
+  CHECK(r.batch.logit_rows.back() == LogitRow{7, y, false});
+
+  // y's rest, 3 < min_prefill tokens, goes in one token per step whatever the room, and z (one
+  // token) rides behind it in the same step.
+  REQUIRE(table.finish(g[2]).ok());
+  r = run(cache, table, {55, 55, 82, 90});
+  CHECK(r.batch.tokens == Tokens{54, 54, 81, 204, 300});
+  CHECK(r.batch.logit_rows == LogitRows{{0, g[3], true}, {1, g[4], true}, {2, x, true}, {3, y, false}, {4, z, true}});
+  CHECK(r.positions == Positions{5, 5, 11, 4, 0});
+  CHECK(table.state(x).value() == SessionState::done);
+  r = run(cache, table, {56, 56});
+  CHECK(r.batch.tokens == Tokens{55, 55, 205});
+  r = run(cache, table, {57, 57, 83});
+  CHECK(r.batch.tokens == Tokens{56, 56, 206});
+  CHECK(r.batch.logit_rows.back() == LogitRow{2, y, true});
+  CHECK(to_tokens(table.output(y).value()) == Tokens{83});
+  check_positions(cache, table);
+}
+
+TEST_CASE("session table: with min_prefill_tokens > max_write no step holds a prefill, so nobody waits") {
+  auto cache = make_cells();
+  CellTable table(cache, {.max_write = 4, .min_prefill_tokens = 6, .max_tokens_per_session = 32});
+  const SessionId a = table.add(iota_tokens(10, 8), 1).value();
+  const SessionId b = table.add(iota_tokens(20, 8), 1).value();
+  Ran r = run(cache, table, {});
+  CHECK(r.batch.tokens == Tokens{10, 20});
+  CHECK(r.batch.logit_rows == LogitRows{{0, a, false}, {1, b, false}});
+  r = run(cache, table, {});
+  CHECK(r.batch.tokens == Tokens{11, 21});
+  CHECK(r.positions == Positions{1, 1});
+}
+
+TEST_CASE("session table: a remainder below min_prefill_tokens goes in one token per step") {
+  auto cache = make_cells();
+  CellTable table(cache, {.max_write = 8, .min_prefill_tokens = 5, .max_tokens_per_session = 32});
+  const SessionId a = table.add(iota_tokens(0, 11), 2).value();  // P8 D D D
+  Ran r = run(cache, table, {});
+  CHECK(r.batch.tokens == iota_tokens(0, 8));
+  CHECK(r.batch.logit_rows == LogitRows{{7, a, false}});
+  for (std::int32_t t = 8; t < 10; ++t) {
+    r = run(cache, table, {});
+    CHECK(r.batch.tokens == Tokens{t});
+    CHECK(r.batch.logit_rows == LogitRows{{0, a, false}});
+    CHECK(r.positions == Positions{t});
+  }
+  r = run(cache, table, {70});
+  CHECK(r.batch.tokens == Tokens{10});
+  CHECK(r.batch.logit_rows == LogitRows{{0, a, true}});
+  CHECK(table.state(a).value() == SessionState::generating);
+  r = run(cache, table, {71});
+  CHECK(r.batch.tokens == Tokens{70});
+  CHECK(r.positions == Positions{11});
+  CHECK(table.state(a).value() == SessionState::done);
+  CHECK(to_tokens(table.output(a).value()) == Tokens{70, 71});
+}
+
+TEST_CASE("session table: a session without new tokens only fills its sequence") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{5, 6, 7}, 0).value();
+  const Ran r = run(cache, table, {});
+  CHECK(r.batch.logit_rows == LogitRows{{2, a, false}});
+  CHECK(table.state(a).value() == SessionState::done);
+  CHECK(table.output(a).value().empty());
+  CHECK(table.cached_tokens(a).value() == 3);
+  CHECK(table.next_step().status() == Errc::empty_step);
+  CHECK(table.reap() == Ids{a});
+  CHECK_FALSE(cache.is_live(0));
+}
+
+TEST_CASE("session table: ids are never reused while sequence ids are recycled") {
+  auto cache = make_cells(2);
+  CellTable table(cache, kLimits);
+  CHECK(table.free_sequences() == 2);
+  CHECK(table.add(Tokens{1}, 1).value() == 1);
+  CHECK(table.add(Tokens{2}, 1).value() == 2);
+  CHECK(table.free_sequences() == 0);
+  CHECK(table.add(Tokens{3}, 1).status() == Errc::too_many_sessions);
+  REQUIRE(table.finish(1).ok());
+  CHECK(table.free_sequences() == 1);
+  const SessionId c = table.add(Tokens{3}, 1).value();
+  CHECK(c == 3);
+  CHECK(table.sequence_of(c).value() == 0);
+  REQUIRE(table.finish(c).ok());
+  CHECK(table.finish(c) == Errc::unknown_session);
+  const SessionId d = table.clone(2, 1).value();
+  CHECK(d == 4);
+  CHECK(table.sequence_of(d).value() == 0);
+  CHECK(table.sessions() == Ids{2, 4});
+  CHECK_FALSE(table.is_live(1));
+  CHECK_FALSE(table.is_live(3));
+  CHECK_FALSE(table.is_live(0));
+  CHECK(table.sequence_of(1).status() == Errc::unknown_session);
+}
+
+TEST_CASE("session table: a clone shares its source's prompt cells") {
+  auto cache = make_cells();
+  CellTable table(cache, {.max_write = 4, .min_prefill_tokens = 2, .max_tokens_per_session = 16});
+  const SessionId a = table.add(iota_tokens(1, 6), 4).value();  // P4 P2
+  run(cache, table, {});                                         // a has fed 4 prompt tokens
+
+  const SessionId c = table.clone(a, 2).value();
+  const std::int32_t cs = table.sequence_of(c).value();
+  CHECK(cs == 1);
+  CHECK(table.cached_tokens(c).value() == 4);
+  CHECK(cache.pos(cs).value() == 4);
+  CHECK(cache.free_cells() == 64 - 4);  // zero copy
+  for (std::int32_t cell = 0; cell < 4; ++cell) {
+    CHECK(cache.cell_owners(cell).test(0));
+    CHECK(cache.cell_owners(cell).test(cs));
+  }
+  CHECK(to_tokens(table.prompt(c).value()) == iota_tokens(1, 6));
+
+  // Both feed prompt tokens 5, 6 at positions 4, 5 into their own cells.
+  Ran r = run(cache, table, {40, 50});
+  CHECK(r.batch.tokens == Tokens{5, 6, 5, 6});
+  CHECK(r.batch.seqs == Tokens{0, 0, 1, 1});
+  CHECK(r.batch.logit_rows == LogitRows{{1, a, true}, {3, c, true}});
+  CHECK(r.positions == Positions{4, 5, 4, 5});
+  CHECK(r.rows == Rows{4, 5, 6, 7});
+  CHECK_FALSE(cache.cell_owners(4).test(cs));
+  CHECK_FALSE(cache.cell_owners(6).test(0));
+  CHECK(to_tokens(table.output(a).value()) == Tokens{40});
+  CHECK(to_tokens(table.output(c).value()) == Tokens{50});
+
+  // A clone of a session that has fed its whole prompt re-feeds the last prompt token: its logits
+  // give the clone's own first token.
+  const SessionId d = table.clone(a, 1).value();
+  const std::int32_t ds = table.sequence_of(d).value();
+  CHECK(table.cached_tokens(d).value() == 5);
+  for (std::int32_t cell = 0; cell < 5; ++cell) CHECK(cache.cell_owners(cell).test(ds));
+  CHECK_FALSE(cache.cell_owners(5).test(ds));
+  r = run(cache, table, {41, 51, 60});
+  CHECK(r.batch.tokens == Tokens{40, 50, 6});
+  CHECK(r.batch.seqs == Tokens{0, 1, ds});
+  CHECK(r.batch.logit_rows == LogitRows{{0, a, true}, {1, c, true}, {2, d, true}});
+  CHECK(r.positions == Positions{6, 6, 5});
+  CHECK(table.state(d).value() == SessionState::done);
+  CHECK(table.state(c).value() == SessionState::done);
+  check_positions(cache, table);
+
+  // The source can leave first: the clones keep the shared cells.
+  REQUIRE(table.finish(a).ok());
+  for (std::int32_t cell = 0; cell < 4; ++cell) CHECK(cache.cell_pos(cell) == cell);
+  CHECK(table.reap() == Ids{c, d});
+  CHECK(cache.free_cells() == 64);
+}
+
+TEST_CASE("session table: a clone on the sequence layout copies the shared prefix") {
+  Slots cache({.max_write = 8, .max_seqs = 4, .max_len = 16});
+  SlotTable table(cache, {.max_write = 4, .min_prefill_tokens = 2, .max_tokens_per_session = 16});
+  const SessionId a = table.add(iota_tokens(1, 6), 2).value();
+  run(cache, table, {});
+  cache.acknowledge_changes();
+  const SessionId c = table.clone(a, 2).value();
+  REQUIRE(cache.pending_changes().copies.size() == 1);
+  CHECK(cache.pending_changes().copies[0] == RowCopy{0, 16, 4});
+  const Ran r = run(cache, table, {40, 50});
+  CHECK(r.batch.seqs == Tokens{0, 0, 1, 1});
+  CHECK(r.batch.logit_rows == LogitRows{{1, a, true}, {3, c, true}});
+  CHECK(r.positions == Positions{4, 5, 4, 5});
+  CHECK(r.rows == Rows{4, 5, 20, 21});
+  check_positions(cache, table);
+}
+
+TEST_CASE("session table: finish and reap free sequences") {
+  auto cache = make_cells(4);
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{1, 2}, 1).value();
+  const SessionId b = table.add(iota_tokens(10, 8), 3).value();  // 6 tokens fit behind a's P2
+  const SessionId c = table.add(Tokens{3, 4}, 1).value();         // no room left: waits
+  run(cache, table, {50});  // a: P2 -> done
+  CHECK(table.state(a).value() == SessionState::done);
+  CHECK(table.state(b).value() == SessionState::feeding);
+  CHECK(table.cached_tokens(b).value() == 6);
+  CHECK(table.cached_tokens(c).value() == 0);
+  CHECK(table.free_sequences() == 1);
+
+  REQUIRE(table.finish(b).ok());  // a feeding session can leave before its prompt is in
+  CHECK_FALSE(cache.is_live(1));
+  CHECK(table.live_count() == 2);
+  run(cache, table, {60});  // c: P2 -> done
+  CHECK(table.done_count() == 2);
+  CHECK(table.reap() == Ids{a, c});
+  CHECK(table.reap().empty());
+  CHECK(table.live_count() == 0);
+  CHECK(table.free_sequences() == 4);
+  CHECK(cache.free_cells() == 64);
+  CHECK(table.output(a).status() == Errc::unknown_session);
+}
+
+TEST_CASE("session table: abandon restores the table and rewinds the cache") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{1, 2, 3}, 4).value();
+  run(cache, table, {50});
+  const SessionId b = table.add(Tokens{7, 8}, 2).value();
+  const CellTable before = table;
+  const auto free_before = cache.free_cells();
+
+  const Ran r = declare(cache, table);  // a decodes at 3, b feeds 0, 1
+  CHECK(table.in_flight());
+  CHECK(cache.pos(0).value() == 4);
+  const auto points = table.abandon();
+  CHECK(points == std::vector<RewindPoint>{{0, 3}, {1, 0}});
+  CHECK_FALSE(table.in_flight());
+  CHECK(table == before);
+  CHECK(cache.pos(0).value() == 3);
+  CHECK(cache.pos(1).value() == 0);
+  CHECK(cache.free_cells() == free_before);
+  CHECK(table.abandon().empty());  // nothing in flight: nothing to do
+
+  // The same step again, now accepted.
+  const Ran again = run(cache, table, {51, 70});
+  CHECK(again.batch == r.batch);
+  CHECK(again.positions == r.positions);
+  CHECK(to_tokens(table.output(a).value()) == Tokens{50, 51});
+  CHECK(to_tokens(table.output(b).value()) == Tokens{70});
+  check_positions(cache, table);
+}
+
+namespace {
+
+// The three verbs alone, like a cache without rewind: abandon() leaves the rewind to the caller.
+struct VerbsOnly {
+  Cells* cache;
+  Result<std::int32_t> seq_new() { return cache->seq_new(); }
+  Result<std::int32_t> seq_clone(std::int32_t src, std::int32_t upto) { return cache->seq_clone(src, upto); }
+  Status seq_rm(std::int32_t id) { return cache->seq_rm(id); }
+};
+static_assert(SessionCache<VerbsOnly> && !RewindableCache<VerbsOnly>);
+static_assert(RewindableCache<Cells> && RewindableCache<Slots>);
+// A device-cache-like wrapper: the verbs, and the queries through host().
+struct Wrapper {
+  Cells cache;
+  Result<std::int32_t> seq_new() { return cache.seq_new(); }
+  Result<std::int32_t> seq_clone(std::int32_t src, std::int32_t upto = -1) { return cache.seq_clone(src, upto); }
+  Status seq_rm(std::int32_t id) { return cache.seq_rm(id); }
+  Status rewind(std::int32_t id, std::int32_t pos) { return cache.rewind(id, pos); }
+  const Cells& host() const { return cache; }
+};
+
+template <class T>
+concept CountsFreeSequences = requires(const T& t) { t.free_sequences(); };
+static_assert(CountsFreeSequences<CellTable> && CountsFreeSequences<SessionTable<Wrapper>> &&
+              !CountsFreeSequences<SessionTable<VerbsOnly>>);
+
+}  // namespace
+
+TEST_CASE("session table: over a cache without rewind, abandon returns the rewind points") {
+  auto cache = make_cells();
+  VerbsOnly verbs{&cache};
+  SessionTable table(verbs, kLimits);
+  const SessionId a = table.add(Tokens{1, 2, 3}, 1).value();
+  const auto batch = table.next_step();
+  REQUIRE(batch.ok());
+  REQUIRE(cache.declare_step(batch.value().seqs).ok());
+  CHECK(table.abandon() == std::vector<RewindPoint>{{0, 0}});
+  CHECK(cache.pos(0).value() == 3);  // not rewound by the table
+  REQUIRE(cache.rewind(0, 0).ok());
+  CHECK(table.state(a).value() == SessionState::feeding);
+  CHECK(table.next_step().value() == batch.value());
+}
+
+TEST_CASE("session table: over a device-cache-like wrapper, queries go through host()") {
+  Wrapper wrapper{make_cells(3)};
+  SessionTable table(wrapper, kLimits);
+  CHECK(table.free_sequences() == 3);
+  REQUIRE(table.add(Tokens{1, 2}, 1).ok());
+  CHECK(table.free_sequences() == 2);
+  CHECK(SessionTable<Wrapper>::validate({.max_write = 9, .min_prefill_tokens = 1, .max_tokens_per_session = 4},
+                                        wrapper) == Errc::bad_argument);
+}
+
+TEST_CASE("session table: limits are validated at construction") {
+  auto cache = make_cells();
+  CHECK(CellTable::validate(kLimits, cache).ok());
+  CHECK(CellTable::validate({.max_write = 1, .min_prefill_tokens = 1, .max_tokens_per_session = 1}, cache).ok());
+  const SessionLimits bad[] = {{0, 2, 32}, {8, 0, 32}, {8, 2, 0}, {9, 2, 32}, {-1, 2, 32}};
+  for (const SessionLimits& l : bad) {
+    CHECK(CellTable::validate(l, cache) == Errc::bad_argument);
+    CHECK_THROWS_AS(CellTable(cache, l), std::invalid_argument);
+  }
+}
+
+// ---- every refusal changes nothing, in the table or the cache ----
+
+namespace {
+
+// A full cache (3 sequences): a generating, b feeding (7 of its P8 went in beside a's decode), c
+// done.
+struct Busy {
+  Cells cache = make_cells(3);
+  CellTable table{cache, kLimits};
+  SessionId a = 0, b = 0, c = 0;
+  Busy() {
+    a = table.add(Tokens{1, 2, 3}, 4).value();
+    c = table.add(Tokens{9}, 1).value();
+    run(cache, table, {50, 90});
+    b = table.add(iota_tokens(100, 8), 4).value();
+    run(cache, table, {51});
+  }
+  Busy(const Busy&) = delete;
+  Busy& operator=(const Busy&) = delete;
+};
+
+void check_refused(const Busy& busy, const CellTable& table_before, const Cells& cache_before, Status got,
+                   Errc expected) {
+  CHECK(got == expected);
+  CHECK(busy.table == table_before);
+  CHECK(busy.cache == cache_before);
+}
+
+}  // namespace
+
+TEST_CASE("session table: refusals change nothing") {
+  Busy busy;
+  auto& table = busy.table;
+  const CellTable table_before = table;
+  const Cells cache_before = busy.cache;
+  REQUIRE(table.state(busy.a).value() == SessionState::generating);
+  REQUIRE(table.state(busy.b).value() == SessionState::feeding);
+  REQUIRE(table.state(busy.c).value() == SessionState::done);
+
+  SUBCASE("add") {
+    check_refused(busy, table_before, cache_before, table.add(Tokens{}, 1).status(), Errc::bad_argument);
+    check_refused(busy, table_before, cache_before, table.add(Tokens{1}, -1).status(), Errc::bad_argument);
+    check_refused(busy, table_before, cache_before, table.add(iota_tokens(0, 33), 0).status(), Errc::over_budget);
+    check_refused(busy, table_before, cache_before, table.add(iota_tokens(0, 30), 3).status(), Errc::over_budget);
+    check_refused(busy, table_before, cache_before, table.add(iota_tokens(0, 30), 2).status(), Errc::too_many_sessions);
+  }
+  SUBCASE("clone") {
+    check_refused(busy, table_before, cache_before, table.clone(99, 1).status(), Errc::unknown_session);
+    check_refused(busy, table_before, cache_before, table.clone(0, 1).status(), Errc::unknown_session);
+    check_refused(busy, table_before, cache_before, table.clone(busy.a, -1).status(), Errc::bad_argument);
+    check_refused(busy, table_before, cache_before, table.clone(busy.b, 25).status(), Errc::over_budget);
+    check_refused(busy, table_before, cache_before, table.clone(busy.b, 24).status(), Errc::too_many_sessions);
+  }
+  SUBCASE("finish") {
+    check_refused(busy, table_before, cache_before, table.finish(0), Errc::unknown_session);
+    check_refused(busy, table_before, cache_before, table.finish(4), Errc::unknown_session);
+  }
+  SUBCASE("accept and abandon without a batch in flight") {
+    check_refused(busy, table_before, cache_before, table.accept(Tokens{}), Errc::bad_argument);
+    check_refused(busy, table_before, cache_before, table.accept(Tokens{1}), Errc::bad_argument);
+    CHECK(table.abandon().empty());
+    check_refused(busy, table_before, cache_before, Status{}, Errc::ok);
+  }
+  SUBCASE("next_step with no work") {
+    CellTable idle(busy.cache, kLimits);
+    const CellTable idle_before = idle;
+    CHECK(idle.next_step().status() == Errc::empty_step);
+    CHECK(idle == idle_before);
+    REQUIRE(table.finish(busy.a).ok());
+    REQUIRE(table.finish(busy.b).ok());  // only the done session c is left
+    const CellTable done_before = table;
+    const Cells done_cache = busy.cache;
+    check_refused(busy, done_before, done_cache, table.next_step().status(), Errc::empty_step);
+  }
+}
+
+TEST_CASE("session table: while a batch is in flight, verbs and a second step are refused") {
+  Busy busy;
+  auto& table = busy.table;
+  REQUIRE(table.finish(busy.c).ok());  // a free sequence, so add and clone could otherwise succeed
+  const Ran r = declare(busy.cache, table);
+  CHECK(r.batch.tokens == Tokens{51, 107});  // a's decode, b's last prompt token
+  CHECK(r.batch.logit_rows == LogitRows{{0, busy.a, true}, {1, busy.b, true}});
+  const CellTable table_before = table;
+  const Cells cache_before = busy.cache;
+
+  check_refused(busy, table_before, cache_before, table.add(Tokens{1}, 1).status(), Errc::bad_argument);
+  check_refused(busy, table_before, cache_before, table.clone(busy.a, 1).status(), Errc::bad_argument);
+  check_refused(busy, table_before, cache_before, table.finish(busy.a), Errc::bad_argument);
+  check_refused(busy, table_before, cache_before, table.finish(99), Errc::unknown_session);
+  check_refused(busy, table_before, cache_before, table.next_step().status(), Errc::bad_argument);
+  check_refused(busy, table_before, cache_before, table.accept(Tokens{}), Errc::bad_argument);
+  check_refused(busy, table_before, cache_before, table.accept(Tokens{1}), Errc::bad_argument);
+  check_refused(busy, table_before, cache_before, table.accept(Tokens{1, 2, 3}), Errc::bad_argument);
+  CHECK(table.reap().empty());
+  check_refused(busy, table_before, cache_before, table.check_batch(r.batch), Errc::ok);
+
+  REQUIRE(table.accept(Tokens{52, 80}).ok());
+  CHECK(to_tokens(table.output(busy.a).value()) == Tokens{50, 51, 52});
+  CHECK(to_tokens(table.output(busy.b).value()) == Tokens{80});
+}
+
+TEST_CASE("session table: check_batch refusals") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{1, 2}, 3).value();
+  run(cache, table, {50});
+  const SessionId b = table.add(Tokens{10, 11, 12}, 2).value();
+  const SessionId d = table.add(Tokens{20, 21}, 0).value();
+  const StepBatch good{{50, 10, 11, 12, 20, 21}, {0, 1, 1, 1, 2, 2}, {{0, a, true}, {3, b, true}, {5, d, false}}};
+  const CellTable before = table;
+  CHECK(table.check_batch(good).ok());
+
+  auto variant = [&](auto change) {
+    StepBatch v = good;
+    change(v);
+    return table.check_batch(v);
+  };
+  CHECK(table.check_batch(StepBatch{}) == Errc::empty_step);
+  CHECK(variant([](StepBatch& v) {
+          v.tokens.assign(9, 1);
+          v.seqs.assign(9, 0);
+        }) == Errc::step_too_wide);
+  CHECK(variant([](StepBatch& v) { v.seqs.pop_back(); }) == Errc::bad_argument);
+  CHECK(variant([](StepBatch& v) { v.logit_rows.back().row = 6; }) == Errc::bad_argument);
+  CHECK(variant([](StepBatch& v) { std::swap(v.logit_rows[0], v.logit_rows[1]); }) == Errc::bad_argument);
+  CHECK(variant([](StepBatch& v) { v.seqs[0] = 5; }) == Errc::unknown_session);
+  CHECK(variant([](StepBatch& v) { v.logit_rows[0].session = 99; }) == Errc::unknown_session);
+  CHECK(variant([&](StepBatch& v) { v.logit_rows[0].session = b; }) == Errc::bad_argument);
+  // b in two runs (a's token between them)
+  CHECK(variant([&](StepBatch& v) {
+          v.seqs = {1, 0, 1, 1, 2, 2};
+          v.logit_rows = {{0, b, false}, {1, a, true}, {3, b, true}, {5, d, false}};
+        }) == Errc::overlapping_input);
+  // b as two slices in one run
+  CHECK(variant([&](StepBatch& v) { v.logit_rows.insert(v.logit_rows.begin() + 1, LogitRow{1, b, false}); }) ==
+        Errc::overlapping_input);
+  // a given two decode tokens
+  CHECK(variant([&](StepBatch& v) {
+          v.tokens.insert(v.tokens.begin(), 50);
+          v.seqs.insert(v.seqs.begin(), 0);
+          v.logit_rows = {{0, a, true}, {1, a, true}, {4, b, true}, {6, d, false}};
+        }) == Errc::overlapping_input);
+  CHECK(variant([&](StepBatch& v) {
+          v.tokens.insert(v.tokens.begin(), 50);
+          v.seqs.insert(v.seqs.begin(), 0);
+          v.logit_rows = {{1, a, true}, {4, b, true}, {6, d, false}};
+        }) == Errc::bad_argument);
+  CHECK(variant([](StepBatch& v) { v.logit_rows.pop_back(); }) == Errc::bad_argument);  // d's run ends bare
+  CHECK(variant([](StepBatch& v) {                                                      // b's slice cut short
+          v.tokens.erase(v.tokens.begin() + 3);
+          v.seqs.erase(v.seqs.begin() + 3);
+          v.logit_rows = {{0, 1, true}, {2, 2, true}, {4, 3, false}};
+        }) == Errc::bad_argument);
+  CHECK(variant([](StepBatch& v) { v.logit_rows.back().samples = true; }) == Errc::bad_argument);
+  CHECK(variant([](StepBatch& v) { v.logit_rows.front().samples = false; }) == Errc::bad_argument);
+  CHECK(table == before);
+
+  // The order of the runs is not checked; each feeding run is judged by the room where it begins.
+  const StepBatch reordered{{20, 21, 50, 10, 11, 12}, {2, 2, 0, 1, 1, 1}, {{1, d, false}, {2, a, true}, {5, b, true}}};
+  CHECK(table.check_batch(reordered).ok());
+  CHECK(table == before);
+
+  const auto batch = table.next_step();
+  REQUIRE(batch.ok());
+  CHECK(batch.value() == good);
+}
+
+TEST_CASE("session table: check_batch judges a prompt slice by the room where its run begins") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);  // max_write 8, min_prefill 2
+  const SessionId a = table.add(Tokens{1}, 3).value();
+  run(cache, table, {50});
+  const SessionId b = table.add(iota_tokens(10, 10), 1).value();
+  const StepBatch good{{50, 10, 11, 12, 13, 14, 15, 16}, {0, 1, 1, 1, 1, 1, 1, 1}, {{0, a, true}, {7, b, false}}};
+  CHECK(table.check_batch(good).ok());
+  // b first: row 0 leaves room 8, so its slice is 8 tokens, not 7.
+  const StepBatch b_first{{10, 11, 12, 13, 14, 15, 16, 50}, {1, 1, 1, 1, 1, 1, 1, 0}, {{6, b, false}, {7, a, true}}};
+  CHECK(table.check_batch(b_first) == Errc::bad_argument);
+  const StepBatch b_alone{iota_tokens(10, 8), Tokens(8, 1), {{7, b, false}}};
+  CHECK(table.check_batch(b_alone).ok());
+  // A slice shorter than the room allows, or one token where a prefill fits.
+  const StepBatch b_short{{50, 10, 11, 12, 13, 14}, {0, 1, 1, 1, 1, 1}, {{0, a, true}, {5, b, false}}};
+  CHECK(table.check_batch(b_short) == Errc::bad_argument);
+  const StepBatch b_one{{50, 10}, {0, 1}, {{0, a, true}, {1, b, false}}};
+  CHECK(table.check_batch(b_one) == Errc::bad_argument);
+  const auto batch = table.next_step();
+  REQUIRE(batch.ok());
+  CHECK(batch.value() == good);
+}
+
+// ================================ random simulation ================================
+
+namespace {
+
+// What a session should be, kept independently of the table.
+struct Model {
+  Tokens prompt;
+  std::int32_t max_new = 0;
+  std::int32_t shared = 0;  // prompt tokens taken from the clone source
+  std::int32_t fed = 0;     // prompt tokens in the sequence, shared ones included
+  std::int32_t seq = 0;
+  std::int32_t added_at = 0;  // accepted steps before it was added
+  std::int32_t feed_bound = 0;  // it must be fed within this many accepted steps (when bounded)
+  Tokens content;     // the tokens at positions [0, pos) of its sequence
+  Tokens given;       // the tokens it was given in steps
+  Tokens outputs;     // the tokens sampled for it
+  std::int32_t left() const { return static_cast<std::int32_t>(prompt.size()) - fed; }
+  bool feeding() const { return left() > 0; }
+  bool generating() const { return !feeding() && static_cast<std::int32_t>(outputs.size()) < max_new; }
+  bool done() const { return !feeding() && !generating(); }
+  // prompt, then every sampled token but the last
+  Tokens history() const {
+    Tokens h = prompt;
+    if (!outputs.empty()) h.insert(h.end(), outputs.begin(), outputs.end() - 1);
+    return h;
+  }
+};
+
+struct SimConfig {
+  SessionLimits limits;
+  std::int32_t max_prompt = 0;  // prompts of add() are 1..max_prompt tokens
+  std::uint32_t seed = 1;
+  std::int32_t steps = 3000;
+};
+
+struct SimCounts {
+  std::int32_t steps = 0, added = 0, cloned = 0, finished = 0, reaped = 0, refused = 0, abandoned = 0,
+               out_of_cells = 0, idle = 0;
+  std::int64_t decode_tokens = 0, prompt_tokens = 0;  // in accepted steps
+  std::int32_t fully_fed = 0;        // sessions whose prompt went in completely (shared prefix aside)
+  std::int32_t longest_feed = 0;     // most accepted steps from add/clone to fully fed
+  std::int32_t largest_bound = 0;    // largest feed_bound given
+  std::int32_t short_feeds = 0;      // steps feeding one token in a short room: the step had no prompt
+  std::int32_t short_waits = 0;      // steps in which a session waited for a room >= min_prefill
+};
+
+template <class Cache>
+class Simulation {
+ public:
+  Simulation(Cache& cache, SimConfig config)
+      : cache_(cache), table_(cache, config.limits), limits_(config.limits), max_prompt_(config.max_prompt),
+        rng_(config.seed), row_token_(static_cast<std::size_t>(cache.capacity()), -1),
+        bounded_(cache.max_seqs() <= config.limits.max_write) {}
+
+  SimCounts run(std::int32_t steps) {
+    for (std::int32_t i = 0; i < steps; ++i) {
+      events();
+      step();
+      check_all();
+    }
+    return counts_;
+  }
+
+ private:
+  std::int32_t uniform(std::int32_t lo, std::int32_t hi) {  // [lo, hi]
+    return std::uniform_int_distribution<std::int32_t>(lo, hi)(rng_);
+  }
+  bool chance(std::int32_t percent) { return uniform(0, 99) < percent; }
+  SessionId pick() {
+    auto it = models_.begin();
+    std::advance(it, uniform(0, static_cast<std::int32_t>(models_.size()) - 1));
+    return it->first;
+  }
+  bool table_is_full() const { return table_.live_count() == cache_.max_seqs(); }
+
+  void events() {
+    if (chance(30)) add();
+    if (chance(10) && !models_.empty()) clone();
+    if (chance(4) && !models_.empty()) finish(pick());
+    if (chance(50)) reap();
+  }
+
+  void add() {
+    const std::int32_t budget = limits_.max_tokens_per_session;
+    Tokens prompt(static_cast<std::size_t>(uniform(1, max_prompt_)));
+    for (auto& t : prompt) t = uniform(0, 999);
+    const std::int32_t max_new = uniform(0, budget - static_cast<std::int32_t>(prompt.size()) + 3);
+    const bool full = table_is_full();
+    const auto got = table_.add(prompt, max_new);
+    if (static_cast<std::int32_t>(prompt.size()) + max_new > budget) return expect_refused(got.status(), Errc::over_budget);
+    if (full) return expect_refused(got.status(), Errc::too_many_sessions);
+    REQUIRE(got.ok());
+    Model m;
+    m.prompt = prompt;
+    m.max_new = max_new;
+    start(got.value(), std::move(m));
+    ++counts_.added;
+  }
+
+  void clone() {
+    const SessionId src = pick();
+    const Model& from = models_.at(src);
+    const auto n = static_cast<std::int32_t>(from.prompt.size());
+    const std::int32_t max_new = uniform(0, limits_.max_tokens_per_session - n + 3);
+    const bool full = table_is_full();
+    const auto got = table_.clone(src, max_new);
+    if (n + max_new > limits_.max_tokens_per_session) return expect_refused(got.status(), Errc::over_budget);
+    if (full) return expect_refused(got.status(), Errc::too_many_sessions);
+    REQUIRE(got.ok());
+    Model m;
+    m.prompt = from.prompt;
+    m.max_new = max_new;
+    m.shared = std::min(from.fed, n - 1);
+    m.content.assign(from.content.begin(), from.content.begin() + m.shared);
+    copy_rows();
+    start(got.value(), std::move(m));
+    ++counts_.cloned;
+  }
+
+  // Fills in what the table decides (the sequence) and the no-starvation bound: with at most
+  // max_write sequences, fewer than max_write sessions generate while one feeds, so every accepted
+  // step feeds the oldest feeding session a token; the new session is fed once the prompt tokens
+  // left now, its own and those of the (older) feeding sessions, are in. They never exceed
+  // max_seqs * max_tokens_per_session.
+  void start(SessionId id, Model m) {
+    REQUIRE(id == next_id_++);
+    m.fed = m.shared;
+    m.seq = table_.sequence_of(id).value();
+    m.added_at = counts_.steps;
+    m.feed_bound = m.left();
+    for (const auto& [older, o] : models_) m.feed_bound += o.left();
+    if (bounded_) REQUIRE(m.feed_bound <= cache_.max_seqs() * limits_.max_tokens_per_session);
+    counts_.largest_bound = std::max(counts_.largest_bound, m.feed_bound);
+    REQUIRE(table_.cached_tokens(id).value() == m.shared);
+    models_.emplace(id, std::move(m));
+  }
+
+  void expect_refused(Status got, Errc expected) {
+    CHECK(got == expected);
+    ++counts_.refused;
+  }
+
+  void finish(SessionId id) {
+    const Model& m = models_.at(id);
+    const Tokens h = m.history();
+    CHECK(std::equal(m.content.begin(), m.content.end(), h.begin()));  // a prefix of its history
+    REQUIRE(table_.finish(id).ok());
+    CHECK_FALSE(cache_.is_live(m.seq));
+    models_.erase(id);
+    ++counts_.finished;
+  }
+
+  void reap() {
+    Ids expected;
+    for (const auto& [id, m] : models_)
+      if (m.done()) expected.push_back(id);
+    REQUIRE(table_.reap() == expected);
+    for (const SessionId id : expected) {
+      const Model& m = models_.at(id);
+      const Tokens h = m.history();
+      CHECK(static_cast<std::int32_t>(m.outputs.size()) == m.max_new);
+      CHECK(m.content == h);  // shared prefix + every token it was given
+      CHECK(m.given == Tokens(h.begin() + m.shared, h.end()));
+      CHECK_FALSE(cache_.is_live(m.seq));
+      models_.erase(id);
+    }
+    counts_.reaped += static_cast<std::int32_t>(expected.size());
+  }
+
+  // The batch the contract prescribes for the models now: decodes, oldest first, while room is left;
+  // then, oldest first, each feeding session's plan_slices(left, room, min_prefill).front(), except
+  // that a session whose slice would be one token only because room < min_prefill <= max_write
+  // (left >= min_prefill) waits, unless no prompt token is in the step yet; the first feeding
+  // session that gets nothing ends the step.
+  StepBatch expected_batch(bool& short_feed, bool& short_wait) const {
+    short_feed = short_wait = false;
+    StepBatch b;
+    std::int32_t room = limits_.max_write;
+    auto push = [&b](SessionId id, const Model& m, const Tokens& tokens, bool samples) {
+      b.tokens.insert(b.tokens.end(), tokens.begin(), tokens.end());
+      b.seqs.insert(b.seqs.end(), tokens.size(), m.seq);
+      b.logit_rows.push_back({b.size() - 1, id, samples});
+    };
+    for (const auto& [id, m] : models_)
+      if (m.generating() && room > 0) {
+        push(id, m, {m.outputs.back()}, true);
+        --room;
+      }
+    const std::int32_t min = limits_.min_prefill_tokens;
+    bool prompt_in_step = false;
+    for (const auto& [id, m] : models_) {
+      if (!m.feeding()) continue;
+      if (room == 0) break;
+      const bool room_is_short = room < min && min <= limits_.max_write && m.left() >= min;
+      if (room_is_short && prompt_in_step) {
+        short_wait = true;
+        break;
+      }
+      short_feed = short_feed || room_is_short;
+      const Slice s = plan_slices(m.left(), room, min).front();
+      REQUIRE(s.begin == 0);
+      REQUIRE(s.length <= room);
+      const std::int32_t fit = std::min(m.left(), room);  // the front slice, restated
+      REQUIRE(s.length == (fit > 1 && fit >= min ? fit : 1));
+      const auto first = m.prompt.begin() + m.fed;
+      push(id, m, Tokens(first, first + s.length), s.length == m.left() && m.max_new > 0);
+      room -= s.length;
+      prompt_in_step = true;
+    }
+    return b;
+  }
+
+  void step() {
+    bool short_feed = false, short_wait = false;
+    const StepBatch expected = expected_batch(short_feed, short_wait);
+    counts_.short_feeds += short_feed;
+    counts_.short_waits += short_wait;
+    auto got = table_.next_step();
+    if (expected.tokens.empty()) {
+      CHECK(got.status() == Errc::empty_step);
+      ++counts_.idle;
+      return;
+    }
+    REQUIRE(got.ok());
+    const StepBatch& batch = got.value();
+    REQUIRE(batch == expected);
+    REQUIRE(batch.size() <= limits_.max_write);
+    REQUIRE(table_.check_batch(batch).ok());
+    const auto plan = cache_.declare_step(batch.seqs);
+    if (!plan.ok()) {
+      CHECK(plan.status() == Errc::out_of_cells);
+      ++counts_.out_of_cells;
+      abandon(batch);
+      finish(models_.begin()->first);  // make room: the oldest session leaves
+      return;
+    }
+    check_placement(batch, plan.value());
+    if (chance(3)) return abandon(batch);  // the forward failed
+    accept(batch);
+  }
+
+  // Each session's tokens sit at the positions after what its sequence holds, in order.
+  void check_placement(const StepBatch& batch, const StepPlan& plan) {
+    std::size_t t = 0;
+    for (const LogitRow& r : batch.logit_rows) {
+      const Model& m = models_.at(r.session);
+      for (std::int32_t p = static_cast<std::int32_t>(m.content.size()); t <= static_cast<std::size_t>(r.row); ++t, ++p) {
+        REQUIRE(plan.seqs[t] == m.seq);
+        REQUIRE(plan.positions[t] == p);
+        row_token_[static_cast<std::size_t>(plan.rows[t])] = batch.tokens[t];
+      }
+    }
+    REQUIRE(t == batch.tokens.size());
+  }
+
+  void abandon(const StepBatch& batch) {
+    std::vector<RewindPoint> expected;
+    for (const LogitRow& r : batch.logit_rows) {
+      const Model& m = models_.at(r.session);
+      expected.push_back({m.seq, static_cast<std::int32_t>(m.content.size())});
+    }
+    REQUIRE(table_.abandon() == expected);
+    ++counts_.abandoned;
+  }
+
+  void accept(const StepBatch& batch) {
+    Tokens sampled;
+    std::int32_t begin = 0;
+    for (const LogitRow& r : batch.logit_rows) {
+      Model& m = models_.at(r.session);
+      const Tokens tokens(batch.tokens.begin() + begin, batch.tokens.begin() + r.row + 1);
+      m.content.insert(m.content.end(), tokens.begin(), tokens.end());
+      m.given.insert(m.given.end(), tokens.begin(), tokens.end());
+      if (m.feeding()) {
+        m.fed += static_cast<std::int32_t>(tokens.size());
+        counts_.prompt_tokens += static_cast<std::int64_t>(tokens.size());
+        if (!m.feeding()) {
+          const std::int32_t took = counts_.steps + 1 - m.added_at;  // this step counted
+          if (bounded_) CHECK(took <= m.feed_bound);
+          counts_.longest_feed = std::max(counts_.longest_feed, took);
+          ++counts_.fully_fed;
+        }
+      } else {
+        counts_.decode_tokens += static_cast<std::int64_t>(tokens.size());
+      }
+      if (r.samples) {
+        sampled.push_back(uniform(1000, 1999));
+        m.outputs.push_back(sampled.back());
+      }
+      begin = r.row + 1;
+    }
+    REQUIRE(table_.accept(sampled).ok());
+    ++counts_.steps;
+  }
+
+  // Sequence layout forks copy rows: mirror the copies in row_token_.
+  void copy_rows() {
+    for (const RowCopy& c : cache_.pending_changes().copies)
+      for (std::int32_t i = 0; i < c.rows; ++i)
+        row_token_[static_cast<std::size_t>(c.dst_row + i)] = row_token_[static_cast<std::size_t>(c.src_row + i)];
+  }
+
+  [[nodiscard]] std::int64_t row_of(std::int32_t seq, std::int32_t p) const {
+    if constexpr (std::is_same_v<typename Cache::Layout, layout::cell>)
+      return cache_.cell_of(seq, p);
+    else
+      return cache_.slot_begin(seq) + p;
+  }
+
+  // The rows of m's sequence hold its content, position by position (cells: with m as an owner).
+  [[nodiscard]] bool rows_hold(const Model& m) const {
+    for (std::int32_t p = 0; p < static_cast<std::int32_t>(m.content.size()); ++p) {
+      const std::int64_t row = row_of(m.seq, p);
+      if (row_token_[static_cast<std::size_t>(row)] != m.content[static_cast<std::size_t>(p)]) return false;
+      if constexpr (std::is_same_v<typename Cache::Layout, layout::cell>) {
+        const auto cell = static_cast<std::int32_t>(row);
+        if (cache_.cell_pos(cell) != p || !cache_.cell_owners(cell).test(m.seq)) return false;
+      }
+    }
+    return true;
+  }
+
+  // Table, cache and model agree on every live session, down to the token in each row it holds.
+  void check_all() {
+    cache_.acknowledge_changes();
+    REQUIRE(table_.live_count() == static_cast<std::int32_t>(models_.size()));
+    REQUIRE(table_.live_count() == cache_.live_count());
+    std::int32_t feeding = 0, generating = 0, done = 0;
+    for (const auto& [id, m] : models_) {
+      const auto held = static_cast<std::int32_t>(m.content.size());
+      REQUIRE(table_.sequence_of(id).value() == m.seq);
+      REQUIRE(table_.cached_tokens(id).value() == held);
+      REQUIRE(cache_.pos(m.seq).value() == held);
+      REQUIRE(to_tokens(table_.output(id).value()) == m.outputs);
+      if (bounded_ && m.feeding()) REQUIRE(counts_.steps - m.added_at < m.feed_bound);  // not starved
+      feeding += m.feeding();
+      generating += m.generating();
+      done += m.done();
+      CHECK(rows_hold(m));
+    }
+    REQUIRE(table_.feeding_count() == feeding);
+    REQUIRE(table_.generating_count() == generating);
+    REQUIRE(table_.done_count() == done);
+  }
+
+  Cache& cache_;
+  SessionTable<Cache> table_;
+  SessionLimits limits_;
+  std::int32_t max_prompt_;
+  std::mt19937 rng_;
+  std::map<SessionId, Model> models_;
+  std::vector<std::int32_t> row_token_;  // [capacity] token last written to each row
+  SessionId next_id_ = 1;
+  SimCounts counts_;
+  bool bounded_;  // at most max_write sequences: the no-starvation bound applies
+};
+
+const SimConfig kSimConfigs[] = {
+    {{.max_write = 8, .min_prefill_tokens = 3, .max_tokens_per_session = 40}, 34, 1, 3000},
+    {{.max_write = 8, .min_prefill_tokens = 1, .max_tokens_per_session = 40}, 34, 2, 3000},
+    {{.max_write = 5, .min_prefill_tokens = 6, .max_tokens_per_session = 40}, 34, 3, 2000},  // all decode
+    {{.max_write = 1, .min_prefill_tokens = 1, .max_tokens_per_session = 24}, 18, 4, 2000},
+    {{.max_write = 8, .min_prefill_tokens = 4, .max_tokens_per_session = 40}, 34, 5, 3000},  // short rooms wait
+};
+
+// Steady decoding: short prompts next to long generations, a cache of max_write sequences.
+const SimConfig kSteadyConfigs[] = {
+    {{.max_write = 16, .min_prefill_tokens = 4, .max_tokens_per_session = 200}, 60, 11, 3000},
+    {{.max_write = 16, .min_prefill_tokens = 1, .max_tokens_per_session = 200}, 60, 12, 3000},
+    {{.max_write = 64, .min_prefill_tokens = 8, .max_tokens_per_session = 400}, 150, 13, 1500},  // prompts > max_write
+};
+
+}  // namespace
+
+TEST_CASE("session table: long random simulation, cell layout") {
+  std::int32_t out_of_cells = 0;  // a small pool: steps are refused, abandoned, and sessions leave
+  std::int32_t short_feeds = 0, short_waits = 0;
+  for (const SimConfig& config : kSimConfigs) {
+    INFO("seed ", config.seed);
+    Cells cache({.max_write = 8, .max_cells = 64, .max_seqs = 12});
+    const SimCounts n = Simulation<Cells>(cache, config).run(config.steps);
+    CHECK(n.steps > config.steps / 2);
+    CHECK(n.added > 0);
+    CHECK(n.cloned > 0);
+    CHECK(n.finished > 0);
+    CHECK(n.reaped > 0);
+    CHECK(n.refused > 0);
+    CHECK(n.abandoned > 0);
+    out_of_cells += n.out_of_cells;
+    short_feeds += n.short_feeds;
+    short_waits += n.short_waits;
+    MESSAGE("cell seed ", config.seed, ": steps ", n.steps, " added ", n.added, " cloned ", n.cloned, " finished ",
+            n.finished, " reaped ", n.reaped, " refused ", n.refused, " abandoned ", n.abandoned, " out_of_cells ",
+            n.out_of_cells, " idle ", n.idle, " short feeds ", n.short_feeds, " short waits ", n.short_waits);
+  }
+  CHECK(out_of_cells > 0);
+  CHECK(short_feeds > 0);  // the waiting rule was exercised both ways
+  CHECK(short_waits > 0);
+}
+
+TEST_CASE("session table: no starvation under steady decoding") {
+  std::int32_t short_feeds = 0;
+  for (const SimConfig& config : kSteadyConfigs) {
+    INFO("seed ", config.seed);
+    const std::int32_t w = config.limits.max_write;
+    const std::int32_t budget = config.limits.max_tokens_per_session;
+    Cells cache({.max_write = w, .max_cells = w * budget, .max_seqs = w});
+    const SimCounts n = Simulation<Cells>(cache, config).run(config.steps);
+    // The simulation checked every session against its bound (feed_bound, at most
+    // max_seqs * max_tokens_per_session accepted steps) in every step.
+    CHECK(n.steps > config.steps * 9 / 10);
+    CHECK(n.fully_fed > 50);
+    CHECK(n.longest_feed <= n.largest_bound);
+    CHECK(n.largest_bound <= w * budget);
+    CHECK(n.decode_tokens > n.prompt_tokens);            // steady decoding ...
+    CHECK(n.decode_tokens > std::int64_t{n.steps} * w / 2);  // ... filling most of each step
+    if (config.limits.min_prefill_tokens > 1) CHECK(n.short_waits > 0);
+    short_feeds += n.short_feeds;
+    MESSAGE("steady seed ", config.seed, ": steps ", n.steps, " added ", n.added, " cloned ", n.cloned,
+            " short feeds ", n.short_feeds, " short waits ", n.short_waits,
+            " fully fed ", n.fully_fed, " longest feed ", n.longest_feed, " largest bound ", n.largest_bound,
+            " decode tokens ", n.decode_tokens, " prompt tokens ", n.prompt_tokens, " abandoned ", n.abandoned,
+            " out_of_cells ", n.out_of_cells);
+  }
+  CHECK(short_feeds > 0);
+}
+
+TEST_CASE("session table: long random simulation, sequence layout") {
+  for (const SimConfig& config : kSimConfigs) {
+    INFO("seed ", config.seed);
+    Slots cache({.max_write = 8, .max_seqs = 12, .max_len = 40});
+    const SimCounts n = Simulation<Slots>(cache, config).run(config.steps);
+    CHECK(n.steps > config.steps / 2);
+    CHECK(n.cloned > 0);
+    CHECK(n.reaped > 0);
+    CHECK(n.out_of_cells == 0);
+    MESSAGE("slot seed ", config.seed, ": steps ", n.steps, " added ", n.added, " cloned ", n.cloned, " finished ",
+            n.finished, " reaped ", n.reaped, " refused ", n.refused, " abandoned ", n.abandoned, " idle ", n.idle);
+  }
+}

@@ -1,0 +1,151 @@
+// Placement independence: one script of steps and verbs under lowest_free and clustered<B> gives
+// the same visibility as a function of (token, position, owners); only the cell numbers differ.
+// Also: clustered<B> keeps each decoding sequence inside aligned blocks of its own.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <random>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "cellkv/cell_cache.hpp"
+#include "support.hpp"
+
+namespace {
+
+using namespace cellkv;
+using W = Windows<0, 3>;
+using Seen = std::set<std::pair<std::int32_t, std::vector<std::int32_t>>>;  // (position, owners)
+
+// What a token sees, independent of cell numbers: sequence, position, and for each window the
+// (position, owner list) of every visible cell.
+struct TokenView {
+  std::int32_t seq = 0;
+  std::int32_t pos = 0;
+  std::vector<Seen> seen;  // per distinct window
+  bool operator==(const TokenView&) const = default;
+};
+
+template <class Cache>
+std::vector<TokenView> describe_step(const Cache& cache) {
+  std::vector<TokenView> out;
+  const auto plan = cache.step();
+  for (std::int32_t t = 0; t < plan.tokens; ++t) {
+    TokenView view{plan.seqs[static_cast<std::size_t>(t)], plan.positions[static_cast<std::size_t>(t)], {}};
+    for (const std::int32_t w : W::kDistinctWindows) {
+      Seen seen;
+      for (const std::int64_t row : test::visible_rows(cache, w, t)) {
+        std::vector<std::int32_t> owners;
+        cache.cell_owners(static_cast<std::int32_t>(row)).for_each([&](std::int32_t s) { owners.push_back(s); });
+        seen.insert({cache.cell_pos(static_cast<std::int32_t>(row)), owners});
+      }
+      view.seen.push_back(seen);
+    }
+    out.push_back(view);
+  }
+  return out;
+}
+
+using Lowest = CellCache<layout::cell, W, placement::lowest_free, 16>;
+using Clustered4 = CellCache<layout::cell, W, placement::clustered<4>, 16>;
+using Clustered8 = CellCache<layout::cell, W, placement::clustered<8>, 16>;
+
+struct Trio {
+  Lowest lowest;
+  Clustered4 c4;
+  Clustered8 c8;
+  // Applies f to each cache and checks the three results are equal; returns the first.
+  template <class F>
+  auto all(F&& f) {  // NOLINT
+    auto a = f(lowest);
+    auto b = f(c4);
+    auto c = f(c8);
+    CHECK(a == b);
+    CHECK(a == c);
+    return a;
+  }
+};
+
+void run_script(std::uint64_t seed) {
+  const CacheConfig config{.max_write = 6, .max_cells = 64, .max_seqs = 6};
+  Trio trio{Lowest(config), Clustered4(config), Clustered8(config)};
+  std::mt19937_64 rng(seed);
+  auto pick = [&](std::int32_t n) { return static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(n)); };
+  for (int op = 0; op < 600; ++op) {
+    CAPTURE(seed);
+    CAPTURE(op);
+    const std::int32_t kind = pick(12);
+    const std::int32_t id = pick(6);
+    if (kind < 7) {
+      std::vector<std::int32_t> ids(static_cast<std::size_t>(1 + pick(6)));
+      for (auto& s : ids) s = pick(6);
+      const Status s = trio.all([&](auto& c) { return c.declare_step(ids).status(); });
+      if (s.ok()) (void)trio.all([](auto& c) { return describe_step(c); });
+    } else if (kind == 7) {
+      (void)trio.all([](auto& c) { return c.seq_new().status(); });
+    } else if (kind == 8) {
+      const std::int32_t upto = pick(8) - 1;
+      (void)trio.all([&](auto& c) { return c.seq_clone(id, upto).status(); });
+    } else if (kind == 9) {
+      (void)trio.all([&](auto& c) { return c.seq_rm(id); });
+    } else if (kind == 10) {
+      const std::int32_t p = pick(10);
+      (void)trio.all([&](auto& c) { return c.rewind(id, p); });
+    } else {
+      (void)trio.all([&](auto& c) { return std::make_pair(c.free_cells(), c.live_count()); });
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("the same script under lowest_free and clustered<B> gives the same visibility") {
+  for (std::uint64_t seed = 1; seed <= 20; ++seed) run_script(seed);
+}
+
+TEST_CASE("clustered<B>: interleaved decoding sequences fill aligned blocks of their own") {
+  CellCache<layout::cell, W, placement::clustered<4>> cache({.max_write = 8, .max_cells = 64});
+  std::vector<std::int32_t> ids;
+  for (int s = 0; s < 3; ++s) ids.push_back(cache.seq_new().value());
+  for (int step = 0; step < 8; ++step) REQUIRE(cache.declare_step(ids).ok());  // a b c a b c ...
+  for (const std::int32_t s : ids) {
+    // 8 tokens of s fill exactly two aligned blocks of 4 cells, owned by s alone.
+    std::set<std::int32_t> blocks;
+    for (std::int32_t p = 0; p < 8; ++p) blocks.insert(cache.cell_of(s, p) / 4);
+    CHECK(blocks.size() == 2);
+    for (const std::int32_t b : blocks)
+      for (std::int32_t c = b * 4; c < b * 4 + 4; ++c) {
+        CHECK(cache.cell_owners(c).count() == 1);
+        CHECK(cache.cell_owners(c).test(s));
+      }
+  }
+  // lowest_free interleaves the same steps: every block of 4 mixes the three sequences.
+  CellCache<layout::cell, W> seed_policy({.max_write = 8, .max_cells = 64});
+  for (int s = 0; s < 3; ++s) REQUIRE(seed_policy.seq_new().ok());
+  for (int step = 0; step < 8; ++step) REQUIRE(seed_policy.declare_step(ids).ok());
+  CHECK(seed_policy.cell_owners(0).first() != seed_policy.cell_owners(1).first());
+}
+
+TEST_CASE("clustered<B>: a new block is the lowest fully free one; no free block falls back to any cell") {
+  CellCache<layout::cell, W, placement::clustered<4>> cache({.max_write = 8, .max_cells = 12});
+  const auto a = cache.seq_new().value();
+  const auto b = cache.seq_new().value();
+  const auto c = cache.seq_new().value();
+  const std::vector<std::int32_t> one_each{a, b, c};
+  REQUIRE(cache.declare_step(one_each).ok());
+  CHECK(test::step_rows(cache) == test::Rows{0, 4, 8});
+  const std::vector<std::int32_t> a_more{a, a, a, a};  // fills block 0, then no block is free
+  REQUIRE(cache.declare_step(a_more).ok());
+  CHECK(test::step_rows(cache) == test::Rows{1, 2, 3, 5});
+  REQUIRE(cache.seq_rm(b).ok());  // block 1 still holds a's cell 5: not fully free
+  const std::vector<std::int32_t> c_more{c, c, c, c};
+  REQUIRE(cache.declare_step(c_more).ok());
+  CHECK(test::step_rows(cache) == test::Rows{9, 10, 11, 4});
+  CHECK(cache.free_cells() == 2);
+  const std::vector<std::int32_t> three{a, a, a};
+  CHECK(cache.declare_step(three).status() == Errc::out_of_cells);
+  const std::vector<std::int32_t> two{a, c};
+  REQUIRE(cache.declare_step(two).ok());  // capacity is never lost
+  CHECK(cache.free_cells() == 0);
+}
