@@ -79,7 +79,7 @@ void batched_equals_solo() {
   }
   CHECK(rig.output(fork) == solo<C>(prompt_of(13, 2), 16));
   CHECK(rig.model.graph_stats().replays > 0);
-  require_device_ok();
+  cellkv::test::require_device_ok();
 }
 
 }  // namespace

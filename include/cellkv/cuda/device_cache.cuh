@@ -24,6 +24,7 @@
 #include <optional>
 #include <span>
 #include <type_traits>
+#include <vector>
 
 #include "cellkv/cell_cache.hpp"
 #include "cellkv/cuda/fast_path.cuh"
@@ -109,9 +110,10 @@ class DeviceCache {
     if (const Status s = slot.done.synchronize(); !s.ok()) return s;
     if (const Status s = run_copies(stream); !s.ok()) return s;
     fill_block(slot.block.data(), plan, width);
-    const std::size_t changed = stage_mirror(slot);
-    CELLKV_CUDA_STATUS(cudaMemcpyAsync(buffers_.device_block(), slot.block.data(), buffers_.upload_bytes(changed),
-                                       cudaMemcpyHostToDevice, stream.get()));
+    const MirrorUpload changed = stage_mirror(slot);
+    CELLKV_CUDA_STATUS(cudaMemcpyAsync(buffers_.device_block(), slot.block.data(),
+                                       buffers_.upload_bytes(changed.entries, changed.groups), cudaMemcpyHostToDevice,
+                                       stream.get()));
     const bool fill_masks = kCells && (masks == Masks::always || (masks == Masks::if_needed && !fast()));
     if constexpr (kCells) {
       if (const Status s = scatter_mirror(changed, stream); !s.ok()) return s;
@@ -119,7 +121,7 @@ class DeviceCache {
         if (const Status s = launch_masks(plan.read_len, width, stream); !s.ok()) return s;
     }
     if (fast())
-      if (const Status s = fast_->plan(bindings(), segments_, plan.read_len, stream); !s.ok()) return s;
+      if (const Status s = fast_->plan(bindings(), segments_, stream); !s.ok()) return s;
     if (const Status s = slot.done.record(stream); !s.ok()) return s;
     if (const Status s = last_.record(stream); !s.ok()) return s;
     host_.acknowledge_changes();
@@ -242,29 +244,40 @@ class DeviceCache {
     }
   }
 
-  // Changed cells (cell layout) -> mirror entries in staging, after the step block; returns how many.
-  std::size_t stage_mirror(StepStaging<kWords>& slot) const {
+  struct MirrorUpload {
+    std::size_t entries = 0, groups = 0;
+  };
+
+  // Changed cells (cell layout) -> mirror entries in staging after the step block, sorted by cell,
+  // then one TileGroup per touched tile.
+  MirrorUpload stage_mirror(StepStaging<kWords>& slot) {
     if constexpr (!kCells) {
       (void)slot;
-      return 0;
+      return {};
     } else {
       const auto changed = host_.pending_changes().cells;
-      for (std::size_t i = 0; i < changed.size(); ++i) {
-        const std::int32_t c = changed[i];
+      sorted_.assign(changed.begin(), changed.end());
+      std::sort(sorted_.begin(), sorted_.end());
+      auto* groups = reinterpret_cast<TileGroup*>(slot.entries + sorted_.size());
+      std::size_t g = 0;
+      for (std::size_t i = 0; i < sorted_.size(); ++i) {
+        const std::int32_t c = sorted_[i];
         slot.entries[i].cell = c;
         slot.entries[i].pos = host_.cell_pos(c);
         for (std::int32_t w = 0; w < kWords; ++w) slot.entries[i].owners[w] = host_.cell_owners(c).word_at(w);
+        if (g > 0 && groups[g - 1].tile == c / kTileRows) ++groups[g - 1].count;
+        else groups[g++] = TileGroup{c / kTileRows, static_cast<std::int32_t>(i), 1};
       }
-      return changed.size();
+      return {sorted_.size(), g};
     }
   }
 
-  // The uploaded entries -> the device mirror.
-  Status scatter_mirror(std::size_t changed, ::cuda::stream_ref stream) const {
-    if (changed == 0) return {};
-    const auto n = static_cast<std::int32_t>(changed);
-    kernels::scatter_mirror<kWords><<<(n + 255) / 256, 256, 0, stream.get()>>>(
-        buffers_.device_entries(), n, bindings().cell_pos, bindings().owner_words, bindings().max_cells);
+  // The uploaded entries -> the device mirror and the touched tiles' stats.
+  Status scatter_mirror(const MirrorUpload& m, ::cuda::stream_ref stream) const {
+    if (m.entries == 0) return {};
+    kernels::scatter_tiles<kWords><<<static_cast<unsigned>((m.groups + 7) / 8), 256, 0, stream.get()>>>(
+        buffers_.device_entries(), static_cast<std::int32_t>(m.entries), static_cast<std::int32_t>(m.groups),
+        bindings().tiles);
     return detail::last_launch();
   }
 
@@ -291,7 +304,8 @@ class DeviceCache {
   StepBuffers<kWords> buffers_;
   std::optional<FastPath<T, kWords, kCells>> fast_;
   KernelChoice choice_ = KernelChoice::automatic;
-  std::int32_t segments_ = 0;  // segments of the uploaded step
+  std::int32_t segments_ = 0;        // segments of the uploaded step
+  std::vector<std::int32_t> sorted_;  // staging scratch: changed cells, sorted
   bool uploaded_fast_ = false;
   Event last_;  // the last upload or commit: the next upload waits on it
   std::uint64_t uploaded_serial_ = 0;

@@ -2,7 +2,7 @@
 // fixed addresses (tile stats, per-window tile lists and work items, split-KV partials) and the
 // launchers of the planning and attention kernels.
 //
-// Per step (eager, in DeviceCache::upload):  tile_stats (cell layout) -> tile_lists -> schedule
+// Per step (eager, in DeviceCache::upload):  plan_tiles (tile lists, then work items; one launch)
 // Per layer (capturable: fixed grids):        decode_attention + prefill_attention -> merge_splits
 #pragma once
 
@@ -39,7 +39,12 @@ bool fast_path_supports(std::int32_t head_dim, std::int32_t heads_q, std::int32_
 template <int D>
 inline constexpr int kDecodeStages = D == 64 ? 4 : D == 128 ? 3 : 2;
 template <int D>
-inline constexpr int kPrefillStages = D == 256 ? 2 : 3;
+inline constexpr int kPrefillStages = 2;
+#ifndef CELLKV_PREFILL_WARPS
+#define CELLKV_PREFILL_WARPS 4
+#endif
+// Warps of the prefill kernel (16 query rows each): 4 gives 64-row items and two blocks per SM.
+inline constexpr int kPrefillWarps = CELLKV_PREFILL_WARPS;
 
 struct FastShape {
   std::int64_t rows = 0;  // pool rows
@@ -63,30 +68,24 @@ class FastPath {
     (void)dispatch_head_dim(shape.head_dim, [&](auto d) {
       return drive<decltype(d)::value>(nullptr, nullptr, 0, nullptr, &grids_, sms);
     });
-    const std::int32_t group = shape.heads_q / shape.heads_kv;
+    const std::int32_t group = shape.heads_q / shape.heads_kv, rows = 16 * kPrefillWarps;
+    // Decode items x heads to aim for: one wave of the persistent decode grid.
     limits_ = PlanLimits{max_tiles_,
-                         2 * grids_.decode / shape.heads_kv + shape.max_write + 1,
-                         (shape.max_write * group + kPrefillRows - 1) / kPrefillRows + shape.max_write,
-                         2 * grids_.decode,
+                         grids_.decode / shape.heads_kv + shape.max_write + 1,
+                         (shape.max_write * group + rows - 1) / rows + shape.max_write,
+                         grids_.decode,
                          shape.heads_kv,
-                         group};
+                         group,
+                         rows};
     allocate(windows);
   }
 
-  // Builds every window's tile lists and work items for the uploaded step (eager).
-  Status plan(const StepBindings& b, std::int32_t num_segments, std::int64_t read_len, ::cuda::stream_ref stream) const {
-    const auto tiles = static_cast<std::int32_t>((read_len + kTileRows - 1) / kTileRows);
-    if constexpr (Cells) {
-      if (tiles > 0)
-        kernels::tile_stats<Words><<<(tiles + 7) / 8, 256, 0, stream.get()>>>(
-            b.cell_pos, b.owner_words, b.max_cells, tiles, max_tiles_, stats_.data(), tile_or_.data(), tile_and_.data());
-    }
-    if (num_segments > 0)
-      kernels::tile_lists<Meta><<<dim3(static_cast<unsigned>(num_segments), static_cast<unsigned>(shape_.windows)),
-                                  kPlanThreads, 0, stream.get()>>>(meta(b), b.segments, b.num_segments, b.read_len,
-                                                                   plans_.data(), windows_.data(), max_tiles_);
-    kernels::schedule<kPlanThreads><<<static_cast<unsigned>(shape_.windows), kPlanThreads, 0, stream.get()>>>(
-        b.segments, b.num_segments, plans_.data(), limits_);
+  // Builds every window's tile lists and work items for the uploaded step (eager; one launch).
+  // Precondition: num_segments >= 1 (a placed step has a token).
+  Status plan(const StepBindings& b, std::int32_t num_segments, ::cuda::stream_ref stream) const {
+    kernels::plan_tiles<Meta><<<dim3(static_cast<unsigned>(num_segments), static_cast<unsigned>(shape_.windows)),
+                                kPlanThreads, 0, stream.get()>>>(meta(b), b.segments, b.num_segments, b.read_len,
+                                                                 plans_.data(), windows_.data(), limits_, done_.data());
     return detail::last_launch();
   }
 
@@ -128,21 +127,21 @@ class FastPath {
   static Status drive(const kernels::FastArgs<T>* a, const Meta* m, std::int32_t width, cudaStream_t stream,
                       Grids* grids, int sms) {
     constexpr int dec_smem = kernels::decode_smem_bytes<D, kDecodeStages<D>>();
-    constexpr int pre_smem = kernels::prefill_smem_bytes<D, kPrefillStages<D>>();
+    constexpr int pre_smem = kernels::prefill_smem_bytes<D, kPrefillStages<D>, kPrefillWarps>();
     auto* dec = kernels::decode_attention<T, D, kDecodeStages<D>, Meta>;
-    auto* pre = kernels::prefill_attention<T, D, kPrefillStages<D>, Meta>;
+    auto* pre = kernels::prefill_attention<T, D, kPrefillStages<D>, kPrefillWarps, Meta>;
     CELLKV_CUDA_STATUS(cudaFuncSetAttribute(dec, cudaFuncAttributeMaxDynamicSharedMemorySize, dec_smem));
     CELLKV_CUDA_STATUS(cudaFuncSetAttribute(pre, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
     if (a == nullptr) {
       int dec_blocks = 0, pre_blocks = 0;
       CELLKV_CUDA_STATUS(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dec_blocks, dec, 128, dec_smem));
-      CELLKV_CUDA_STATUS(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pre_blocks, pre, 256, pre_smem));
+      CELLKV_CUDA_STATUS(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pre_blocks, pre, 32 * kPrefillWarps, pre_smem));
       grids->decode = sms * (dec_blocks > 0 ? dec_blocks : 1);
       grids->prefill = sms * (pre_blocks > 0 ? pre_blocks : 1);
       return {};
     }
     dec<<<grids->decode, 128, dec_smem, stream>>>(*a, *m);
-    pre<<<grids->prefill, 256, pre_smem, stream>>>(*a, *m);
+    pre<<<grids->prefill, 32 * kPrefillWarps, pre_smem, stream>>>(*a, *m);
     kernels::merge_splits<T, D><<<kMergeBlocks, 128, 0, stream>>>(a->out, a->partial_o, a->partial_lse, a->segments,
                                                                   a->num_segments, a->plan.splits, a->tokens, width,
                                                                   a->heads_q, a->pool.heads_kv);
@@ -158,6 +157,8 @@ class FastPath {
     splits_ = DeviceBuffer<SplitInfo>(w * mw);
     counts_ = DeviceBuffer<std::int32_t>(2 * w);
     CELLKV_CUDA_THROW(cudaMemset(counts_.data(), 0, counts_.bytes()));
+    done_ = DeviceBuffer<unsigned>(1);
+    CELLKV_CUDA_THROW(cudaMemset(done_.data(), 0, done_.bytes()));
     for (std::size_t i = 0; i < w; ++i)
       host_plans_.push_back(WindowPlan{lists_.data() + i * mw * static_cast<std::size_t>(max_tiles_),
                                        tile_counts_.data() + i * mw, decode_.data() + i * static_cast<std::size_t>(limits_.max_decode),
@@ -170,16 +171,11 @@ class FastPath {
     const auto slots = static_cast<std::size_t>(limits_.max_decode) * static_cast<std::size_t>(shape_.heads_kv) * kDecodeRows;
     partial_o_ = DeviceBuffer<float>(slots * static_cast<std::size_t>(shape_.head_dim));
     partial_lse_ = DeviceBuffer<float>(slots);
-    if constexpr (Cells) {
-      stats_ = DeviceBuffer<TileStats>(static_cast<std::size_t>(max_tiles_));
-      tile_or_ = DeviceBuffer<std::uint64_t>(static_cast<std::size_t>(max_tiles_) * Words);
-      tile_and_ = DeviceBuffer<std::uint64_t>(static_cast<std::size_t>(max_tiles_) * Words);
-    }
   }
 
   [[nodiscard]] Meta meta(const StepBindings& b) const {
     if constexpr (Cells)
-      return Meta{b.cell_pos, b.owner_words, stats_.data(), tile_or_.data(), tile_and_.data(), b.max_cells, max_tiles_};
+      return Meta::of(b.tiles);
     else
       return Meta{shape_.max_len};
   }
@@ -195,8 +191,7 @@ class FastPath {
   DeviceBuffer<WindowPlan> plans_;
   std::vector<WindowPlan> host_plans_;
   DeviceBuffer<float> partial_o_, partial_lse_;
-  DeviceBuffer<TileStats> stats_;
-  DeviceBuffer<std::uint64_t> tile_or_, tile_and_;
+  DeviceBuffer<unsigned> done_;  // blocks of plan_tiles done; its last block schedules, then resets it
 };
 
 }  // namespace cellkv::gpu

@@ -13,6 +13,7 @@
 //   masks      bool [windows][max_write][max_cells]   mask_w{W} = masks + buffer * max_write * max_cells
 //   cell_pos   int32 [max_cells]            metadata mirror: position, -1 = free
 //   owner_words uint64 [Words][max_cells]   metadata mirror: word w of each cell's owner bitset
+//   tile stats (TileStatsView)              per 64-cell tile: positions, count, owner OR / AND
 #pragma once
 
 #include <cstddef>
@@ -27,6 +28,34 @@
 namespace cellkv::gpu {
 
 inline constexpr std::int32_t kMaxWindows = 8;
+inline constexpr int kTileRows = 64;  // cells per KV tile of the fast kernels; clustered<64> fills whole tiles
+
+// Per 64-cell tile: smallest and largest position among occupied cells, occupied count.
+struct TileStats {
+  std::int32_t pmin;
+  std::int32_t pmax;
+  std::int32_t count;
+  std::int32_t unused;
+};
+
+// The changed cells of one tile: entries [first, first + count) of the step's mirror entries.
+struct TileGroup {
+  std::int32_t tile;
+  std::int32_t first;
+  std::int32_t count;
+};
+
+// The cell layout's metadata on the device: the per-cell mirror and per-tile stats (with the OR
+// and AND of the owner words over each tile's occupied cells, [Words][max_tiles]).
+struct TileStatsView {
+  std::int32_t* cell_pos = nullptr;
+  std::uint64_t* owner_words = nullptr;
+  std::int64_t max_cells = 0;
+  TileStats* stats = nullptr;
+  std::uint64_t* tile_or = nullptr;
+  std::uint64_t* tile_and = nullptr;
+  std::int32_t max_tiles = 0;
+};
 
 // The distinct windows of a window set, by buffer index, passed to kernels by value.
 struct WindowList {
@@ -54,6 +83,7 @@ struct StepBindings {
   bool* masks = nullptr;
   std::int32_t* cell_pos = nullptr;
   std::uint64_t* owner_words = nullptr;
+  TileStatsView tiles;  // cell layout
   std::int32_t max_write = 0;
   std::int64_t max_cells = 0;  // mask row stride; 0 for the sequence layout
   std::int32_t windows = 0;
@@ -81,8 +111,8 @@ struct StepBlockLayout {
 };
 
 // Host staging of one step, page-locked, reused every other step (double buffering): the step
-// block followed by the changed cells' mirror entries, uploaded in one copy. `done` is recorded
-// after the upload that read it.
+// block, then the changed cells' mirror entries (sorted by cell), then their tile groups, uploaded
+// in one copy. `done` is recorded after the upload that read it.
 template <std::int32_t Words>
 struct StepStaging {
   PinnedBuffer<std::byte> block;
@@ -98,10 +128,13 @@ class StepBuffers {
   StepBuffers(std::int32_t max_write, std::int64_t max_cells, std::int32_t windows)
       : layout_(max_write, windows, max_cells == 0),
         entries_at_((layout_.bytes + 15) / 16 * 16),
-        block_(entries_at_ + sizeof(MirrorEntry<Words>) * static_cast<std::size_t>(max_cells)),
+        block_(entries_at_ + (sizeof(MirrorEntry<Words>) + sizeof(TileGroup)) * static_cast<std::size_t>(max_cells)),
         masks_(static_cast<std::size_t>(windows) * static_cast<std::size_t>(max_write) * static_cast<std::size_t>(max_cells)),
         cell_pos_(static_cast<std::size_t>(max_cells)),
-        owner_words_(static_cast<std::size_t>(max_cells) * Words) {
+        owner_words_(static_cast<std::size_t>(max_cells) * Words),
+        max_tiles_(static_cast<std::int32_t>((max_cells + kTileRows - 1) / kTileRows)),
+        stats_(static_cast<std::size_t>(max_tiles_)),
+        tile_words_(2 * static_cast<std::size_t>(max_tiles_) * Words) {
     for (auto& s : slots_) {
       s.block = PinnedBuffer<std::byte>(block_.size());
       s.entries = reinterpret_cast<MirrorEntry<Words>*>(s.block.data() + entries_at_);
@@ -118,12 +151,16 @@ class StepBuffers {
     b_.masks = masks_.data();
     b_.cell_pos = cell_pos_.data();
     b_.owner_words = owner_words_.data();
+    b_.tiles = TileStatsView{cell_pos_.data(), owner_words_.data(), max_cells, stats_.data(), tile_words_.data(),
+                             tile_words_.data() + static_cast<std::size_t>(max_tiles_) * Words, max_tiles_};
     b_.max_write = max_write;
     b_.max_cells = max_cells;
     b_.windows = windows;
     if (max_cells > 0) {  // an empty mirror: every cell free
       CELLKV_CUDA_THROW(cudaMemset(cell_pos_.data(), 0xff, cell_pos_.bytes()));
       CELLKV_CUDA_THROW(cudaMemset(owner_words_.data(), 0, owner_words_.bytes()));
+      CELLKV_CUDA_THROW(cudaMemset(stats_.data(), 0, stats_.bytes()));  // count 0: every tile empty
+      CELLKV_CUDA_THROW(cudaMemset(tile_words_.data(), 0, tile_words_.bytes()));
     }
     CELLKV_CUDA_THROW(cudaMemset(block_.data(), 0, block_.bytes()));
     for (auto& slot : slots_) std::memset(slot.block.data(), 0, slot.block.bytes());
@@ -136,9 +173,9 @@ class StepBuffers {
   [[nodiscard]] MirrorEntry<Words>* device_entries() const noexcept {
     return reinterpret_cast<MirrorEntry<Words>*>(block_.data() + entries_at_);
   }
-  // Bytes to upload for a step with `changed` mirror entries: the step block, then the entries.
-  [[nodiscard]] std::size_t upload_bytes(std::size_t changed) const noexcept {
-    return changed == 0 ? layout_.bytes : entries_at_ + sizeof(MirrorEntry<Words>) * changed;
+  // Bytes to upload for a step with `changed` mirror entries in `groups` tile groups.
+  [[nodiscard]] std::size_t upload_bytes(std::size_t changed, std::size_t groups) const noexcept {
+    return changed == 0 ? layout_.bytes : entries_at_ + sizeof(MirrorEntry<Words>) * changed + sizeof(TileGroup) * groups;
   }
   // The staging slot for the next upload (alternates); the caller waits on its `done` first.
   [[nodiscard]] StepStaging<Words>& next_slot() noexcept {
@@ -159,6 +196,9 @@ class StepBuffers {
   DeviceBuffer<bool> masks_;
   DeviceBuffer<std::int32_t> cell_pos_;
   DeviceBuffer<std::uint64_t> owner_words_;
+  std::int32_t max_tiles_;
+  DeviceBuffer<TileStats> stats_;
+  DeviceBuffer<std::uint64_t> tile_words_;  // tile OR words, then tile AND words
   StepStaging<Words> slots_[2];
   int next_ = 0;
   StepBindings b_;

@@ -29,6 +29,13 @@ namespace cellkv::gpu::kernels {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 
+// 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp; -inf -> 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <class T>
 struct FastArgs {
   const T* q = nullptr;  // [tokens, heads_q, D]
@@ -84,19 +91,20 @@ struct TileQueue {
 // Issues the copies of tile `tile` for KV head hk into a stage. Threads split the 64 rows x D/8
 // chunks of K and V. Rows no query of the item may see are zero-filled, and (partial tiles) each
 // row's position for the item's sequence goes to cpos.
+// Called by every thread of the block (it synchronizes on partial tiles).
 template <int D, int Threads, class T, class Meta>
 __device__ void load_tile(const Meta& meta, const PoolView<const T>& pool, int hk, int tile, int cls, int seq, int last,
                           std::uint32_t k_dst, std::uint32_t v_dst, int* cpos) {
   constexpr int kChunks = D / 8;
+  if (cls != kFull) {  // each row's position, read once, before the copies that depend on it
+    for (int row = threadIdx.x; row < kTileRows; row += Threads)
+      cpos[row] = meta.pos_for(static_cast<std::int64_t>(tile) * kTileRows + row, seq);
+    __syncthreads();
+  }
   for (int i = threadIdx.x; i < kTileRows * kChunks; i += Threads) {
     const int row = i / kChunks, chunk = i % kChunks;
     const std::int64_t c = static_cast<std::int64_t>(tile) * kTileRows + row;
-    bool valid = cls == kFull;
-    if (!valid) {
-      const int cp = meta.pos_for(c, seq);
-      valid = cp >= 0 && cp <= last;
-      if (chunk == 0) cpos[row] = cp;
-    }
+    const bool valid = cls == kFull || (cpos[row] >= 0 && cpos[row] <= last);
     const std::int64_t off = valid ? pool.offset(c, hk) + chunk * 8 : 0;
     const std::uint32_t dst = SwizzledTile<D>::offset(row, chunk);
     cp_async_16(k_dst + dst, pool.k + off, valid);
@@ -263,13 +271,13 @@ struct RowState {
       for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
       const float m_new = fmaxf(m[h], quad_max(mx));
       const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing yet
-      const float corr = exp2f(m[h] - base);
+      const float corr = fast_exp2(m[h] - base);
       float sum = 0.f;
 #pragma unroll
       for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          s[n][e] = exp2f(s[n][e] - base);
+          s[n][e] = fast_exp2(s[n][e] - base);
           sum += s[n][e];
         }
       l[h] = l[h] * corr + sum;
@@ -374,29 +382,31 @@ __global__ void __launch_bounds__(128) decode_attention(FastArgs<T> a, Meta meta
   }
 }
 
-template <int D, int Stages>
+template <int D, int Stages, int Warps>
 constexpr int prefill_smem_bytes() {
-  return kPrefillRows * D * 2 + Stages * 2 * kTileRows * D * 2;
+  return 16 * Warps * D * 2 + Stages * 2 * kTileRows * D * 2;
 }
 
-// Grid: persistent (fixed); block: 256 threads (8 warps x 16 rows); dynamic smem:
-// prefill_smem_bytes<D, Stages>(). Each warp also skips tiles its own 16 rows cannot see.
-template <class T, int D, int Stages, class Meta>
-__global__ void __launch_bounds__(256) prefill_attention(FastArgs<T> a, Meta meta) {
+// Grid: persistent (fixed); block: Warps x 32 threads, 16 query rows per warp (an item covers
+// 16 Warps rows); dynamic smem: prefill_smem_bytes<D, Stages, Warps>(). Each warp also skips
+// tiles its own 16 rows cannot see.
+template <class T, int D, int Stages, int Warps, class Meta>
+__global__ void __launch_bounds__(Warps * 32) prefill_attention(FastArgs<T> a, Meta meta) {
+  constexpr int kRows = 16 * Warps, kThreads = 32 * Warps;
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ TileQueue<256, Stages> queue;
+  __shared__ TileQueue<kThreads, Stages> queue;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::uint32_t q_tile = smem_addr(smem);
-  const KVStages<D, Stages> kv{q_tile + kPrefillRows * D * 2};
+  const KVStages<D, Stages> kv{q_tile + kRows * D * 2};
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
   const int items = a.plan.counts[1] * heads_kv;
 
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const PrefillWork w = a.plan.prefill[item / heads_kv];
     const int hk = item % heads_kv;
-    ItemRows it{a.segments[w.seg], w.m_tile * kPrefillRows, 0, group};
-    it.rows = min(kPrefillRows, it.seg.len * group - it.row0);
-    load_queries<D, kPrefillRows, 256>(a, it, hk, q_tile);
+    ItemRows it{a.segments[w.seg], w.m_tile * kRows, 0, group};
+    it.rows = min(kRows, it.seg.len * group - it.row0);
+    load_queries<D, kRows, kThreads>(a, it, hk, q_tile);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
@@ -408,7 +418,7 @@ __global__ void __launch_bounds__(256) prefill_attention(FastArgs<T> a, Meta met
     q.init(q_tile, 16 * warp, lane);
     RowState<D> st;
     const std::int32_t* list = a.plan.tile_list + static_cast<std::int64_t>(w.seg) * a.max_tiles;
-    stream_tiles<D, Stages, 256>(
+    stream_tiles<D, Stages, kThreads>(
         a, meta, list, 0, a.plan.tile_count[w.seg], it, hk, kv, queue, [&](int stage, int, int) {
           if (mine.rows == 0) return;
           const int cls = classify_view(queue.stage_view[stage], mine.first(), mine.last(), a.window);

@@ -1,5 +1,6 @@
 // cellkv/cuda/kernels/step_prep.cuh - per-step device work of the cell layout: apply the changed
-// cells to the metadata mirror, then build each window's mask rows from the mirror.
+// cells to the metadata mirror and the per-tile stats, then (when asked) build each window's
+// dense mask rows from the mirror.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,17 +11,63 @@
 
 namespace cellkv::gpu::kernels {
 
-// mirror[e.cell] = (e.pos, e.owners) for each of the `count` entries.
-template <std::int32_t Words>
-__global__ void scatter_mirror(const MirrorEntry<Words>* __restrict__ entries, std::int32_t count,
-                               std::int32_t* __restrict__ cell_pos, std::uint64_t* __restrict__ owner_words,
-                               std::int64_t max_cells) {
-  const std::int32_t i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= count) return;
-  const MirrorEntry<Words> e = entries[i];
-  cell_pos[e.cell] = e.pos;
+// Recomputes one tile's stats from the mirror, as one warp (each lane two cells).
+template <int Words>
+__device__ void tile_stats_of(const TileStatsView& v, std::int32_t tile) {
+  const int lane = threadIdx.x % 32;
+  int pmin = INT32_MAX, pmax = -1, count = 0;
+  std::uint64_t any[Words], all[Words];
 #pragma unroll
-  for (std::int32_t w = 0; w < Words; ++w) owner_words[w * max_cells + e.cell] = e.owners[w];
+  for (int w = 0; w < Words; ++w) any[w] = 0, all[w] = ~std::uint64_t{0};
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t c = static_cast<std::int64_t>(tile) * kTileRows + half * 32 + lane;
+    const int p = c < v.max_cells ? v.cell_pos[c] : -1;
+    if (p < 0) continue;
+    pmin = min(pmin, p), pmax = max(pmax, p), ++count;
+#pragma unroll
+    for (int w = 0; w < Words; ++w) {
+      const std::uint64_t o = v.owner_words[w * v.max_cells + c];
+      any[w] |= o, all[w] &= o;
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    pmin = min(pmin, __shfl_xor_sync(0xffffffffu, pmin, off));
+    pmax = max(pmax, __shfl_xor_sync(0xffffffffu, pmax, off));
+    count += __shfl_xor_sync(0xffffffffu, count, off);
+#pragma unroll
+    for (int w = 0; w < Words; ++w) {
+      any[w] |= __shfl_xor_sync(0xffffffffu, any[w], off);
+      all[w] &= __shfl_xor_sync(0xffffffffu, all[w], off);
+    }
+  }
+  if (lane != 0) return;
+  v.stats[tile] = TileStats{pmin, pmax, count, 0};
+#pragma unroll
+  for (int w = 0; w < Words; ++w) {
+    v.tile_or[static_cast<std::int64_t>(w) * v.max_tiles + tile] = any[w];
+    v.tile_and[static_cast<std::int64_t>(w) * v.max_tiles + tile] = count > 0 ? all[w] : 0;
+  }
+}
+
+// The cell layout's per-step metadata update: the changed cells, grouped by tile (host-sorted),
+// go into the mirror and each touched tile's stats are recomputed. One warp per group; groups
+// start right after the `entries` entries. Grid: ceil(groups / 8) blocks of 256 threads.
+template <int Words>
+__global__ void scatter_tiles(const MirrorEntry<Words>* __restrict__ entries, std::int32_t entry_count,
+                              std::int32_t group_count, TileStatsView v) {
+  const TileGroup* groups = reinterpret_cast<const TileGroup*>(entries + entry_count);
+  const int g = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (g >= group_count) return;
+  const TileGroup group = groups[g];
+  for (int i = lane; i < group.count; i += 32) {
+    const MirrorEntry<Words> e = entries[group.first + i];
+    v.cell_pos[e.cell] = e.pos;
+#pragma unroll
+    for (int w = 0; w < Words; ++w) v.owner_words[w * v.max_cells + e.cell] = e.owners[w];
+  }
+  __syncwarp();
+  tile_stats_of<Words>(v, group.tile);
 }
 
 // The visibility rule (DESIGN.md section 3) for token (seq, pos) and cell c of the mirror.

@@ -14,19 +14,10 @@
 
 #include <cstdint>
 
+#include "cellkv/cuda/step_buffers.hpp"
 #include "cellkv/step_plan.hpp"
 
 namespace cellkv::gpu {
-
-inline constexpr int kTileRows = 64;  // rows (cells) per KV tile; clustered<64> fills whole tiles
-
-// Per 64-cell tile: smallest and largest position among occupied cells, occupied count.
-struct TileStats {
-  std::int32_t pmin = 0;
-  std::int32_t pmax = -1;
-  std::int32_t count = 0;
-  std::int32_t unused = 0;
-};
 
 namespace kernels {
 
@@ -58,6 +49,10 @@ struct CellMeta {
   const std::uint64_t* tile_and = nullptr;
   std::int64_t max_cells = 0;
   std::int32_t max_tiles = 0;
+
+  static CellMeta of(const TileStatsView& v) {
+    return {v.cell_pos, v.owner_words, v.stats, v.tile_or, v.tile_and, v.max_cells, v.max_tiles};
+  }
 
   __device__ bool owned(std::int64_t c, std::int32_t seq) const {
     return (owner_words[(seq >> 6) * max_cells + c] >> (seq & 63)) & 1u;

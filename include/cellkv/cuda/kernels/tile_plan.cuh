@@ -16,11 +16,11 @@
 
 #include "cellkv/cuda/kernels/tile_meta.cuh"
 #include "cellkv/cuda/numeric.cuh"
+#include "cellkv/cuda/step_buffers.hpp"
 
 namespace cellkv::gpu {
 
 inline constexpr int kDecodeRows = 16;    // query rows (token x head) of a decode work item
-inline constexpr int kPrefillRows = 128;  // query rows of a prefill work item
 inline constexpr int kPlanThreads = 256;
 inline constexpr int kMaxSplits = 64;  // schedule never cuts a decode segment into more parts
 
@@ -56,122 +56,49 @@ struct PlanLimits {
   std::int32_t max_prefill = 0;
   std::int32_t target_items = 0;  // decode items x heads wanted to fill the GPU
   std::int32_t heads_kv = 0;
-  std::int32_t group = 0;  // H_q / H_kv
+  std::int32_t group = 0;         // H_q / H_kv
+  std::int32_t prefill_rows = 0;  // query rows of a prefill work item (16 x the prefill kernel's warps)
 };
 
 namespace kernels {
 
-// One warp per tile. Grid: ceil(tiles / 8) blocks of 256 threads.
-template <int Words>
-__global__ void tile_stats(const std::int32_t* __restrict__ cell_pos, const std::uint64_t* __restrict__ owner_words,
-                           std::int64_t max_cells, std::int32_t tiles, std::int32_t max_tiles, TileStats* stats,
-                           std::uint64_t* tile_or, std::uint64_t* tile_and) {
-  const int tile = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (tile >= tiles) return;
-  int pmin = INT32_MAX, pmax = -1, count = 0;
-  std::uint64_t any[Words], all[Words];
-#pragma unroll
-  for (int w = 0; w < Words; ++w) any[w] = 0, all[w] = ~std::uint64_t{0};
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const std::int64_t c = static_cast<std::int64_t>(tile) * kTileRows + half * 32 + lane;
-    const int p = c < max_cells ? cell_pos[c] : -1;
-    if (p < 0) continue;
-    pmin = min(pmin, p), pmax = max(pmax, p), ++count;
-#pragma unroll
-    for (int w = 0; w < Words; ++w) {
-      const std::uint64_t o = owner_words[w * max_cells + c];
-      any[w] |= o, all[w] &= o;
-    }
-  }
-  for (int off = 16; off > 0; off >>= 1) {
-    pmin = min(pmin, __shfl_xor_sync(0xffffffffu, pmin, off));
-    pmax = max(pmax, __shfl_xor_sync(0xffffffffu, pmax, off));
-    count += __shfl_xor_sync(0xffffffffu, count, off);
-#pragma unroll
-    for (int w = 0; w < Words; ++w) {
-      any[w] |= __shfl_xor_sync(0xffffffffu, any[w], off);
-      all[w] &= __shfl_xor_sync(0xffffffffu, all[w], off);
-    }
-  }
-  if (lane != 0) return;
-  stats[tile] = TileStats{pmin, pmax, count, 0};
-#pragma unroll
-  for (int w = 0; w < Words; ++w) {
-    tile_or[static_cast<std::int64_t>(w) * max_tiles + tile] = any[w];
-    tile_and[static_cast<std::int64_t>(w) * max_tiles + tile] = count > 0 ? all[w] : 0;
-  }
-}
-
-// The candidate tiles of every segment for every window, in ascending tile order.
-// Grid: (segments, windows); block: kPlanThreads.
-template <class Meta>
-__global__ void tile_lists(Meta meta, const Segment* __restrict__ segments, const std::int32_t* __restrict__ num_segments,
-                           const std::int64_t* __restrict__ read_len, const WindowPlan* plans, const std::int32_t* windows,
-                           std::int32_t max_tiles) {
+// One window's work items (one block of kPlanThreads threads). A segment whose rows (len x group)
+// fit kDecodeRows is decoded: its tile list is cut into `splits` ranges so that all segments
+// together give about target_items items; larger segments are prefilled in query tiles of
+// prefill_rows rows, last tiles first (they see the most). tile_count is read through L2 (other
+// blocks of the same launch wrote it).
+inline __device__ void schedule_window(const Segment* __restrict__ segments, int n, const WindowPlan& plan, const PlanLimits& lim) {
   using Scan = cub::BlockScan<int, kPlanThreads>;
-  __shared__ typename Scan::TempStorage scan;
-  __shared__ int base;
-  const int s = blockIdx.x;
-  if (s >= *num_segments) return;
-  const WindowPlan plan = plans[blockIdx.y];
-  const int window = windows[blockIdx.y];
-  const Segment seg = segments[s];
-  const int first = seg.pos0, last = seg.pos0 + seg.len - 1;
-  const auto tiles = static_cast<int>((*read_len + kTileRows - 1) / kTileRows);
-  if (threadIdx.x == 0) base = 0;
-  __syncthreads();
-  for (int t0 = 0; t0 < tiles; t0 += kPlanThreads) {
-    const int t = t0 + static_cast<int>(threadIdx.x);
-    const int keep = t < tiles && meta.classify(t, seg.seq, first, last, window) != kSkip;
-    int at = 0, total = 0;
-    Scan(scan).ExclusiveSum(keep, at, total);
-    if (keep) plan.tile_list[static_cast<std::int64_t>(s) * max_tiles + base + at] = t;
-    __syncthreads();
-    if (threadIdx.x == 0) base += total;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) plan.tile_count[s] = base;
-}
-
-// Work items of every window. Grid: windows; block: kPlanThreads. A segment whose rows
-// (len x group) fit kDecodeRows is decoded: its tile list is cut into `splits` ranges so that
-// all segments together give about target_items items; larger segments are prefilled in query
-// tiles of kPrefillRows rows, last tiles first (they see the most).
-template <int Threads = kPlanThreads>
-__global__ void schedule(const Segment* __restrict__ segments, const std::int32_t* __restrict__ num_segments,
-                         const WindowPlan* plans, PlanLimits lim) {
-  using Scan = cub::BlockScan<int, Threads>;
-  using Reduce = cub::BlockReduce<long long, Threads>;
+  using Reduce = cub::BlockReduce<long long, kPlanThreads>;
   __shared__ union {
     typename Scan::TempStorage scan;
     typename Reduce::TempStorage reduce;
   } tmp;
   __shared__ int base_decode, base_prefill, base_slot;
   __shared__ long long total_tiles;
-  const WindowPlan plan = plans[blockIdx.x];
-  const int n = *num_segments;
   auto is_decode = [&](int s) { return segments[s].len * lim.group <= kDecodeRows; };
+  auto tiles_of = [&](int s) { return __ldcg(plan.tile_count + s); };
 
   long long mine = 0;
-  for (int s = threadIdx.x; s < n; s += Threads) mine += is_decode(s) ? plan.tile_count[s] : 0;
+  for (int s = threadIdx.x; s < n; s += kPlanThreads) mine += is_decode(s) ? tiles_of(s) : 0;
+  __syncthreads();
   const long long sum = Reduce(tmp.reduce).Sum(mine);
   if (threadIdx.x == 0) total_tiles = sum, base_decode = base_prefill = base_slot = 0;
   __syncthreads();
-  // Tiles per decode item: spread the work over target_items, at least 4 tiles, at most 64 splits.
+  // Tiles per decode item: spread the work over target_items, at least 4 tiles, at most kMaxSplits parts.
   const long long want = (total_tiles * lim.heads_kv + lim.target_items - 1) / lim.target_items;
   const int chunk = static_cast<int>(want < 4 ? 4 : want);
 
-  for (int s0 = 0; s0 < n; s0 += Threads) {
+  for (int s0 = 0; s0 < n; s0 += kPlanThreads) {
     const int s = s0 + static_cast<int>(threadIdx.x);
     int splits = 0, m_tiles = 0, tiles = 0, my_chunk = chunk;
     if (s < n) {
-      tiles = plan.tile_count[s];
-      if (is_decode(s)) {
+      tiles = tiles_of(s);
+      if (is_decode(s)) {  // about tiles / chunk parts of equal size (rounded, so a lone extra tile adds no part)
         my_chunk = max(chunk, (tiles + kMaxSplits - 1) / kMaxSplits);
-        splits = max(1, (tiles + my_chunk - 1) / my_chunk);
+        splits = min(kMaxSplits, max(1, (tiles + my_chunk / 2) / my_chunk));
       } else {
-        m_tiles = (segments[s].len * lim.group + kPrefillRows - 1) / kPrefillRows;
+        m_tiles = (segments[s].len * lim.group + lim.prefill_rows - 1) / lim.prefill_rows;
       }
     }
     int at_d = 0, tot_d = 0, at_p = 0, tot_p = 0, at_s = 0, tot_s = 0;
@@ -183,8 +110,9 @@ __global__ void schedule(const Segment* __restrict__ segments, const std::int32_
     const bool fits = base_decode + tot_d <= lim.max_decode && base_prefill + tot_p <= lim.max_prefill;
     if (s < n && fits) {
       for (int i = 0; i < splits; ++i) {
-        const int b = min(tiles, i * my_chunk), e = min(tiles, (i + 1) * my_chunk);
-        plan.decode[base_decode + at_d + i] = DecodeWork{s, b, i + 1 == splits ? tiles : e, splits > 1 ? base_slot + at_s + i : -1};
+        const int b = static_cast<int>(static_cast<long long>(tiles) * i / splits);
+        const int e = static_cast<int>(static_cast<long long>(tiles) * (i + 1) / splits);
+        plan.decode[base_decode + at_d + i] = DecodeWork{s, b, e, splits > 1 ? base_slot + at_s + i : -1};
       }
       for (int i = 0; i < m_tiles; ++i) plan.prefill[base_prefill + at_p + i] = PrefillWork{s, m_tiles - 1 - i};
       plan.splits[s] = SplitInfo{base_slot + at_s, splits};
@@ -197,6 +125,50 @@ __global__ void schedule(const Segment* __restrict__ segments, const std::int32_
     plan.counts[0] = base_decode;
     plan.counts[1] = base_prefill;
   }
+  __syncthreads();
+}
+
+// The candidate tiles of every segment for every window, in ascending tile order; then the last
+// block to finish schedules every window's work items (so planning is one launch). Grid:
+// (segments, windows); block: kPlanThreads. `done` is zero between launches.
+template <class Meta>
+__global__ void plan_tiles(Meta meta, const Segment* __restrict__ segments, const std::int32_t* __restrict__ num_segments,
+                           const std::int64_t* __restrict__ read_len, const WindowPlan* plans, const std::int32_t* windows,
+                           PlanLimits lim, unsigned* done) {
+  using Scan = cub::BlockScan<int, kPlanThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int base;
+  __shared__ bool last_block;
+  const int s = blockIdx.x, n = *num_segments;
+  if (s < n) {
+    const WindowPlan plan = plans[blockIdx.y];
+    const int window = windows[blockIdx.y];
+    const Segment seg = segments[s];
+    const int first = seg.pos0, last = seg.pos0 + seg.len - 1;
+    const auto tiles = static_cast<int>((*read_len + kTileRows - 1) / kTileRows);
+    if (threadIdx.x == 0) base = 0;
+    __syncthreads();
+    for (int t0 = 0; t0 < tiles; t0 += kPlanThreads) {
+      const int t = t0 + static_cast<int>(threadIdx.x);
+      const int keep = t < tiles && meta.classify(t, seg.seq, first, last, window) != kSkip;
+      int at = 0, total = 0;
+      Scan(scan).ExclusiveSum(keep, at, total);
+      if (keep) plan.tile_list[static_cast<std::int64_t>(s) * lim.max_tiles + base + at] = t;
+      __syncthreads();
+      if (threadIdx.x == 0) base += total;
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) plan.tile_count[s] = base;
+  }
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last_block = atomicAdd(done, 1u) == gridDim.x * gridDim.y - 1;
+  }
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  for (unsigned w = 0; w < gridDim.y; ++w) schedule_window(segments, n, plans[w], lim);
+  if (threadIdx.x == 0) *done = 0;
 }
 
 // After the decode kernel: merges every split segment, and writes zeros to the padding rows
@@ -239,10 +211,15 @@ __global__ void merge_splits(T* __restrict__ out, const float* __restrict__ part
     __syncthreads();
     for (int i = threadIdx.x; i < rows * D; i += blockDim.x) {
       const int r = i / D, d = i % D;
-      float num = 0.f;
-      for (int p = 0; p < parts; ++p) num += weight[r][p] * partial_o[slot_row(p, r) * D + d];
+      float num[4] = {0.f, 0.f, 0.f, 0.f};  // four independent sums: loads of four parts in flight
+      for (int p0 = 0; p0 < parts; p0 += 4) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (p0 + j < parts) num[j] += weight[r][p0 + j] * partial_o[slot_row(p0 + j, r) * D + d];
+      }
       const int token = seg.tok0 + r / group, head = hk * group + r % group;
-      out[(static_cast<std::int64_t>(token) * heads_q + head) * D + d] = from_float<T>(num * inv_sum[r]);
+      out[(static_cast<std::int64_t>(token) * heads_q + head) * D + d] =
+          from_float<T>((num[0] + num[1] + num[2] + num[3]) * inv_sum[r]);
     }
   }
 }
