@@ -143,6 +143,15 @@ Outcome serve(Exec& exec, const Host& host, const std::vector<Request>& requests
   return out;
 }
 
+// The tokens one session generates when it runs alone through `exec` (a fresh executor).
+template <class Exec>
+std::vector<std::int32_t> generate_alone(Exec& exec, const std::vector<std::int32_t>& prompt, std::int32_t max_new) {
+  const auto id = exec.sessions().add(prompt, max_new);
+  if (!id.ok() || !exec.run_until_idle().ok()) return {};
+  const auto toks = exec.sessions().output(id.value()).value();
+  return {toks.begin(), toks.end()};
+}
+
 // Re-runs a sample of requests one at a time (solo) and compares with the batched tokens; a fork
 // runs solo as a fresh session with its source's prompt. Returns the number of mismatches.
 template <class RunSolo>

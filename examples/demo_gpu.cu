@@ -48,10 +48,7 @@ int run_gpu() {
     Cache solo_cache(cache_config, shape);
     llama::GpuLlama<Cache> solo_model(config, weights, solo_cache, stream.get());
     cellkv::batching::Executor solo(solo_model, solo_cache, s.limits);
-    const auto id = solo.sessions().add(prompt, s.max_new).value();
-    (void)solo.run_until_idle();
-    const auto toks = solo.sessions().output(id).value();
-    return std::vector<std::int32_t>(toks.begin(), toks.end());
+    return generate_alone(solo, prompt, s.max_new);
   });
   std::printf("%s\n", mismatches == 0 ? "OK: every solo re-run matched the batch" : "FAILED: solo re-runs differ");
   return mismatches == 0 ? 0 : 1;

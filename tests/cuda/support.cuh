@@ -18,15 +18,8 @@
 #include "cellkv/cuda/dtype.hpp"
 #include "cellkv/cuda/memory.hpp"
 #include "cellkv/status.hpp"
+#include "../host/support.hpp"  // Status printing, step helpers
 
-template <>
-struct doctest::StringMaker<cellkv::Status> {
-  static doctest::String convert(cellkv::Status s) { return std::string(s.message()).c_str(); }
-};
-template <>
-struct doctest::StringMaker<cellkv::Errc> {
-  static doctest::String convert(cellkv::Errc e) { return std::string(cellkv::describe(e)).c_str(); }
-};
 
 namespace cellkv::test {
 
