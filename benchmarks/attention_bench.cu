@@ -13,7 +13,7 @@
 // sequences (one token of each per step), so lowest_free interleaves every tile and clustered<64>
 // keeps each sequence in aligned blocks of its own.
 //
-//   build/benchmarks/cellkv-bench-attention [--quick] [--out FILE]
+//   build/benchmarks/cellkv-bench-attention [--quick] [--out FILE] [--only decode:16x4k]
 #include <cellkv/cellkv.hpp>
 #include <cellkv/cuda/device_cache.cuh>
 #include <cellkv/cuda/stream.hpp>
@@ -39,6 +39,11 @@ constexpr std::int32_t kHq = 32, kHkv = 8, kD = 128;
 struct Options {
   bool quick = false;
   std::FILE* out = stdout;
+  std::string only;  // "decode:16x4k" etc.: run just that measurement (profiling); empty: all
+
+  [[nodiscard]] bool wants(const char* work, const std::string& shape) const {
+    return only.empty() || only == std::string(work) + ":" + shape;
+  }
 };
 
 __global__ void fill_random(bf16* p, std::size_t n, std::uint32_t seed) {
@@ -115,6 +120,7 @@ struct BenchCache {
 // Decode: N sequences filled round-robin with L tokens, then one step of one token each.
 template <class Cache>
 void bench_decode(const Options& o, const char* impl, std::int32_t n, std::int32_t len, bool reference = false) {
+  if (!o.wants("decode", shape_name(n, len))) return;
   BenchCache<Cache> bench(std::max(n, 1), n * (len + 128), n, len + 64);
   Cache& cache = bench.cache;
   if (reference) cache.use_kernels(gpu::KernelChoice::reference);
@@ -132,6 +138,7 @@ void bench_decode(const Options& o, const char* impl, std::int32_t n, std::int32
 // Prefill: one step holding every token of N sequences of L tokens (sequence by sequence).
 template <class Cache>
 void bench_prefill(const Options& o, const char* impl, std::int32_t n, std::int32_t len) {
+  if (!o.wants("prefill", shape_name(n, len))) return;
   BenchCache<Cache> bench(n * len, n * len + 64, n, len + 64);
   Cache& cache = bench.cache;
   std::vector<std::int32_t> step;
@@ -147,6 +154,7 @@ void bench_prefill(const Options& o, const char* impl, std::int32_t n, std::int3
 
 // Per-step overhead: 256 decode tokens over 256k cells (256 sequences of ~1000 tokens).
 void bench_overhead(const Options& o) {
+  if (!o.only.empty()) return;
   using Cache = gpu::DeviceCache<layout::cell, bf16, Model, placement::clustered<64>>;
   BenchCache<Cache> bench(256, 262144, 256, 0);
   Cache& cache = bench.cache;
@@ -183,6 +191,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) o.quick = true;
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) o.out = std::fopen(argv[++i], "w");
+    if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) o.only = argv[++i];
   }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || o.out == nullptr) {
