@@ -1,5 +1,6 @@
 // One of two translation units that include every tier-0 header and instantiate the caches; the
 // link with odr_a.cpp fails on any non-inline definition in a header.
+#include "cellkv/batching/batching.hpp"
 #include "cellkv/cellkv.hpp"
 
 std::int64_t odr_unit_b() {
