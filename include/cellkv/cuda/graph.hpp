@@ -7,9 +7,8 @@
 #include <cuda/stream_ref>
 #include <cuda_runtime_api.h>
 
-#include <utility>
-
 #include "cellkv/cuda/error.hpp"
+#include "cellkv/cuda/handle.hpp"
 
 namespace cellkv::gpu {
 
@@ -18,33 +17,21 @@ class GraphExec {
  public:
   GraphExec() = default;
   explicit GraphExec(cudaGraph_t graph) {
-    CELLKV_CUDA_THROW(cudaGraphInstantiate(&exec_, graph, 0));
+    cudaGraphExec_t exec = nullptr;
+    CELLKV_CUDA_THROW(cudaGraphInstantiate(&exec, graph, 0));
+    exec_ = Handle(exec);
   }
-  GraphExec(GraphExec&& other) noexcept : exec_(std::exchange(other.exec_, nullptr)) {}
-  GraphExec& operator=(GraphExec&& other) noexcept {
-    if (this != &other) {
-      reset();
-      exec_ = std::exchange(other.exec_, nullptr);
-    }
-    return *this;
-  }
-  GraphExec(const GraphExec&) = delete;
-  GraphExec& operator=(const GraphExec&) = delete;
-  ~GraphExec() { reset(); }
 
-  [[nodiscard]] bool empty() const noexcept { return exec_ == nullptr; }
+  [[nodiscard]] bool empty() const noexcept { return exec_.get() == nullptr; }
   [[nodiscard]] Status replay(::cuda::stream_ref stream) const {
-    if (exec_ == nullptr) return Errc::bad_argument;
-    CELLKV_CUDA_STATUS(cudaGraphLaunch(exec_, stream.get()));
+    if (empty()) return Errc::bad_argument;
+    CELLKV_CUDA_STATUS(cudaGraphLaunch(exec_.get(), stream.get()));
     return {};
   }
 
  private:
-  void reset() noexcept {
-    if (exec_ != nullptr) (void)cudaGraphExecDestroy(exec_);
-    exec_ = nullptr;
-  }
-  cudaGraphExec_t exec_ = nullptr;
+  using Handle = detail::UniqueHandle<cudaGraphExec_t, &cudaGraphExecDestroy>;
+  Handle exec_;
 };
 
 // Captures what `record()` enqueues on `stream` (which must not be the legacy default stream) and
@@ -52,8 +39,13 @@ class GraphExec {
 template <class Record>
 GraphExec capture(::cuda::stream_ref stream, Record&& record) {
   CELLKV_CUDA_THROW(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-  record();
   cudaGraph_t graph = nullptr;
+  try {
+    record();
+  } catch (...) {  // leave the stream out of capture mode
+    if (cudaStreamEndCapture(stream.get(), &graph) == cudaSuccess && graph != nullptr) (void)cudaGraphDestroy(graph);
+    throw;
+  }
   CELLKV_CUDA_THROW(cudaStreamEndCapture(stream.get(), &graph));
   struct Destroy {
     cudaGraph_t g;
