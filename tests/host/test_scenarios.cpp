@@ -295,3 +295,17 @@ TEST_CASE("sequence layout: rewind and removal release rows; read_len follows th
   CHECK(step_rows(cache) == Rows{2});
   CHECK(cache.free_cells() == 37);
 }
+
+TEST_CASE("a placed step splits into segments: runs of consecutive tokens of one sequence") {
+  auto cache = make_cells();
+  const auto a = cache.seq_new().value();
+  const auto b = cache.seq_new().value();
+  REQUIRE(declare(cache, {a, a}).ok());
+  REQUIRE(declare(cache, {a, a, a, b, b, a}).ok());
+  std::vector<Segment> segments(8);
+  const std::int32_t n = split_segments(cache.step(), segments);
+  REQUIRE(n == 3);
+  CHECK(segments[0] == Segment{a, 0, 3, 2});  // a's tokens 0..2 at positions 2..4
+  CHECK(segments[1] == Segment{b, 3, 2, 0});
+  CHECK(segments[2] == Segment{a, 5, 1, 5});  // a again: a new segment, next position
+}
