@@ -9,6 +9,7 @@
 #include "cellkv/pool_view.hpp"
 #include "cellkv/reference.hpp"
 #include "cellkv/seq_set.hpp"
+#include "cellkv/sharding.hpp"
 #include "cellkv/status.hpp"
 #include "cellkv/step_plan.hpp"
 #include "cellkv/windows.hpp"

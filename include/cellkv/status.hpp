@@ -37,6 +37,8 @@ enum class Errc : std::uint8_t {
   too_many_sessions,
   over_budget,         // a prompt or a generation would pass its token budget
   overlapping_input,   // the same session was given input twice in one step
+  // tensor parallelism
+  uneven_shards,       // heads or columns do not split evenly over the shards
 };
 
 [[nodiscard]] constexpr std::string_view describe(Errc e) noexcept {
@@ -62,6 +64,7 @@ enum class Errc : std::uint8_t {
     case Errc::too_many_sessions: return "too many sessions: every sequence of the cache is in use";
     case Errc::over_budget: return "over budget: the prompt or generation passes its token budget";
     case Errc::overlapping_input: return "overlapping input: a session was given input twice";
+    case Errc::uneven_shards: return "uneven shards: heads or columns must split evenly over the shards";
   }
   return "unknown status";
 }

@@ -1,0 +1,112 @@
+// llama/tp_llama.cuh - the example decoder split over G GPUs (tensor parallelism): rank g holds the
+// query and KV heads of shard g (cellkv::head_shard) and MLP columns [g ffn / G, (g + 1) ffn / G)
+// (shard_weights.hpp), attends through shard g of a cellkv::gpu::ShardedCache, and the ranks sum
+// their partial outputs with one all-reduce after the attention output projection and one after the
+// MLP. One host thread per rank; the host plans each step once (ShardedCache), every rank uploads
+// it to its own shard. Satisfies cellkv::batching::Model: an Executor drives it like GpuLlama.
+#pragma once
+
+#include <cellkv/batching/model.hpp>
+#include <cellkv/cuda/sharded_cache.cuh>
+#include <cellkv/cuda/stream.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "all_reduce.cuh"
+#include "config.hpp"
+#include "gpu_rank.cuh"
+#include "rank_threads.hpp"
+#include "shard_weights.hpp"
+
+namespace llama {
+
+template <class Sharded>
+class TpLlama {
+  using Shard = typename Sharded::Shard;
+  using T = typename Sharded::Element;
+
+ public:
+  // Splits the weights over the cache's shards and uploads each slice to its device. reduce must
+  // span cache.shards() ranks (NcclReduce over the cache's devices, or DeviceSumReduce when they
+  // are all one GPU). Throws std::invalid_argument when the model does not split over the shards,
+  // std::runtime_error on a CUDA, cuBLAS or NCCL failure.
+  TpLlama(const Config& c, const Weights& w, Sharded& cache, AllReduce<T>& reduce, GpuOptions options = {})
+      : c_(c), cache_(cache), threads_(devices_of(cache)), ranks_(static_cast<std::size_t>(cache.shards())),
+        streams_(static_cast<std::size_t>(cache.shards())) {
+    const cellkv::Status built = threads_.run([&](std::int32_t g) -> cellkv::Status {
+      const auto plan = shard_plan(c, cache.shards(), g);
+      if (!plan.ok()) return plan.status();
+      const auto r = static_cast<std::size_t>(g);
+      streams_[r] = std::make_unique<cellkv::gpu::Stream>();
+      ranks_[r] = std::make_unique<GpuRank<Shard>>(shard_config(c, plan.value()), shard_weights(c, w, plan.value()),
+                                                    cache.shard(g), g, cache.host().max_write(), streams_[r]->get(),
+                                                    &reduce, options);
+      return {};
+    });
+    if (!built.ok()) {
+      release();
+      throw std::invalid_argument("llama::TpLlama: " + std::string(built.message()));
+    }
+  }
+  TpLlama(const TpLlama&) = delete;
+  TpLlama& operator=(const TpLlama&) = delete;
+  ~TpLlama() { release(); }
+
+  [[nodiscard]] std::int32_t vocab() const { return c_.vocab; }
+  [[nodiscard]] std::int32_t min_prefill_tokens() const { return 2; }
+  [[nodiscard]] const GraphStats& graph_stats() const { return ranks_.front()->graph_stats(); }
+
+  // One step on every rank at once; logits come from rank 0.
+  cellkv::Status forward(const cellkv::batching::ForwardStep& step, std::span<float> logits) {
+    const std::int32_t width = ranks_.front()->width_for(static_cast<std::int32_t>(step.tokens.size()));
+    const cellkv::Status s = threads_.run([&](std::int32_t g) { return rank_step(g, step, width); });
+    if (!s.ok()) return s;
+    std::memcpy(logits.data(), ranks_.front()->logits(),
+                step.logit_rows.size() * static_cast<std::size_t>(c_.vocab) * sizeof(float));
+    return {};
+  }
+
+ private:
+  static std::vector<int> devices_of(const Sharded& cache) {
+    std::vector<int> devices;
+    for (std::int32_t g = 0; g < cache.shards(); ++g) devices.push_back(cache.device(g));
+    return devices;
+  }
+
+  // Rank g's part of a step, on its own thread and device.
+  cellkv::Status rank_step(std::int32_t g, const cellkv::batching::ForwardStep& step, std::int32_t width) {
+    GpuRank<Shard>& rank = *ranks_[static_cast<std::size_t>(g)];
+    const ::cuda::stream_ref stream(rank.stream());
+    if (const cellkv::Status s = rank.stage(step, width); !s.ok()) return s;
+    if (const cellkv::Status s = cache_.upload_shard(g, stream, width); !s.ok()) return s;
+    if (const cellkv::Status s = rank.run(width); !s.ok()) return s;
+    if (const cellkv::Status s = cache_.shard(g).commit(stream); !s.ok()) return s;
+    if (g == 0)
+      if (const cellkv::Status s = rank.fetch_logits(step.logit_rows); !s.ok()) return s;
+    CELLKV_CUDA_STATUS(cudaStreamSynchronize(rank.stream()));
+    return {};
+  }
+
+  // Frees each rank's device objects on its own thread (its device current).
+  void release() {
+    (void)threads_.run([&](std::int32_t g) -> cellkv::Status {
+      ranks_[static_cast<std::size_t>(g)].reset();
+      streams_[static_cast<std::size_t>(g)].reset();
+      return {};
+    });
+  }
+
+  Config c_;
+  Sharded& cache_;
+  RankThreads threads_;
+  std::vector<std::unique_ptr<GpuRank<Shard>>> ranks_;
+  std::vector<std::unique_ptr<cellkv::gpu::Stream>> streams_;
+};
+
+}  // namespace llama

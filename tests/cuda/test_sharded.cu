@@ -1,0 +1,74 @@
+// The sharded cache and the tensor-parallel model on one GPU: G shards share device 0 (separate
+// pools, step buffers and streams, one host thread per rank) and a plain device sum stands in
+// for NCCL's all-reduce, which refuses two ranks on one device. tests/cuda/nccl runs the same
+// checks with one shard per GPU over NCCL. Also: every refusal of ShardedCache changes nothing.
+#include <doctest/doctest.h>
+
+#include <stdexcept>
+#include <vector>
+
+#include "tp_checks.cuh"
+
+namespace {
+
+using namespace cellkv;
+using namespace cellkv::test::tp;
+
+}  // namespace
+
+TEST_CASE("sharded cache, 2 shards on one GPU: step buffers, pools and attention equal the single cache (cells)") {
+  sharded_buffers_equal_single<layout::cell>({0, 0});
+}
+
+TEST_CASE("sharded cache, 2 shards on one GPU: step buffers, pools and attention equal the single cache (sequence)") {
+  sharded_buffers_equal_single<layout::sequence>({0, 0});
+}
+
+TEST_CASE("sharded cache, 1 shard: the degenerate split equals the single cache") {
+  sharded_buffers_equal_single<layout::cell>({0});
+}
+
+TEST_CASE_TEMPLATE("tensor-parallel model on one GPU: G = 1 and G = 2 generate what the single-GPU model does", L,
+                   layout::cell, layout::sequence) {
+  const auto want = single_gpu_outputs<L, placement::clustered<64>>();
+  llama::DeviceSumReduce<float> one(1), two(2);
+  CHECK(tensor_parallel_outputs<L, placement::clustered<64>>({0}, one) == want);
+  CHECK(tensor_parallel_outputs<L, placement::clustered<64>>({0, 0}, two) == want);
+}
+
+TEST_CASE("sharded cache refusals: bad construction throws; bad calls return a status and change nothing") {
+  using C = gpu::ShardedCache<layout::cell, float, Layers, placement::lowest_free, 16>;
+  CHECK_THROWS_AS(C(kCacheConfig, kShape, std::vector<int>{}), std::invalid_argument);
+  CHECK_THROWS_AS(C(kCacheConfig, kShape, std::vector<int>{0, 0, 0}), std::invalid_argument);  // 2 KV heads over 3
+  CHECK_THROWS_AS(C(CacheConfig{}, kShape, std::vector<int>{0}), std::invalid_argument);
+
+  C cache(kCacheConfig, kShape, std::vector<int>{0, 0});
+  const auto streams = shard_streams(cache);
+  const std::vector<::cuda::stream_ref> refs{streams[0]->ref(), streams[1]->ref()};
+  CHECK(cache.upload(refs) == Errc::no_step_declared);
+  const std::int32_t id = cache.seq_new().value();
+  const std::vector<std::int32_t> ids{id, id, id};
+  REQUIRE(cache.declare_step(ids).ok());
+  CHECK(cache.upload(std::span(refs).first(1)) == Errc::bad_shape);  // one stream for two shards
+  CHECK(cache.upload(refs, 2) == Errc::bad_shape);                    // narrower than the step
+  CHECK(cache.upload(refs, kCacheConfig.max_write + 1) == Errc::bad_shape);
+  CHECK(cache.upload_shard(2, refs[0]) == Errc::bad_argument);
+  CHECK(cache.upload_shard(-1, refs[0]) == Errc::bad_argument);
+  CHECK(cache.commit(refs) == Errc::no_step_declared);
+  for (std::int32_t g = 0; g < 2; ++g) CHECK(cache.shard(g).width() == 0);  // nothing was uploaded
+
+  REQUIRE(cache.upload_shard(0, refs[0]).ok());
+  CHECK(cache.commit(refs) == Errc::no_step_declared);  // shard 1 has not uploaded: nothing ends
+  CHECK(cache.shard(0).width() == 3);
+  REQUIRE(cache.upload_shard(1, refs[1], 4).ok());
+  CHECK(cache.commit(std::span(refs).first(1)) == Errc::bad_shape);
+  REQUIRE(cache.commit(refs).ok());
+  CHECK(cache.commit(refs) == Errc::no_step_declared);  // already ended
+
+  llama::DeviceSumReduce<float> two(2);
+  llama::Config uneven = kConfig;
+  uneven.ffn = 97;  // MLP columns do not split over 2 ranks
+  CHECK_THROWS_AS(llama::TpLlama<C>(uneven, llama::generate(uneven), cache, two), std::invalid_argument);
+  CHECK_THROWS_AS(llama::DeviceSumReduce<float>(0), std::invalid_argument);
+  test::require_device_ok();
+}
