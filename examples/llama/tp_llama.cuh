@@ -4,6 +4,9 @@
 // their partial outputs with one all-reduce after the attention output projection and one after the
 // MLP. One host thread per rank; the host plans each step once (ShardedCache), every rank uploads
 // it to its own shard. Satisfies cellkv::batching::Model: an Executor drives it like GpuLlama.
+// Refusals (the cache's, before any rank computes) leave every rank as it was; a CUDA failure on
+// one rank mid-step can leave the others waiting in the all-reduce (as with NCCL itself), after
+// which the model must be rebuilt.
 #pragma once
 
 #include <cellkv/batching/model.hpp>

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cuda/stream_ref>
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <memory>
@@ -63,11 +64,15 @@ class ShardedCache {
   }
   ShardedCache(const ShardedCache&) = delete;
   ShardedCache& operator=(const ShardedCache&) = delete;
+  // Frees each shard with its device current (never throws), then restores the caller's device.
   ~ShardedCache() {
+    int previous = 0;
+    const bool restore = cudaGetDevice(&previous) == cudaSuccess;
     for (std::size_t g = 0; g < shards_.size(); ++g) {
-      const DeviceGuard on(devices_[g]);
+      (void)cudaSetDevice(devices_[g]);
       shards_[g].reset();
     }
+    if (restore) (void)cudaSetDevice(previous);
   }
 
   // ---- shards ----
