@@ -8,7 +8,6 @@
 #include <cellkv/cuda/device_cache.cuh>
 #include <cellkv/cuda/stream.hpp>
 
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -16,6 +15,7 @@
 #include <vector>
 
 #include "../examples/llama/gpu_llama.cuh"
+#include "decode_timing.hpp"
 
 namespace {
 
@@ -35,23 +35,7 @@ double tokens_per_second(const llama::Weights& weights, std::int32_t sessions, s
   llama::GpuLlama<Cache> model(kConfig, weights, cache, stream.get(), {.max_graph_width = 256});
   cellkv::batching::Executor exec(model, cache,
                                   {.max_write = 256, .min_prefill_tokens = 2, .max_tokens_per_session = max_len_per_seq});
-  std::vector<std::int32_t> prompt(kPrompt);
-  for (std::int32_t s = 0; s < sessions; ++s) {
-    for (std::int32_t t = 0; t < kPrompt; ++t) prompt[static_cast<std::size_t>(t)] = (s * 131 + t * 7) % kConfig.vocab;
-    if (!exec.sessions().add(prompt, kDecode + 8).ok()) throw std::runtime_error("add refused");
-  }
-  while (exec.sessions().feeding_count() > 0)
-    if (!exec.step().ok()) throw std::runtime_error("prefill step refused");
-  for (int i = 0; i < 3; ++i) (void)exec.step();  // warm: graphs of the decode width captured
-  const auto t0 = std::chrono::steady_clock::now();
-  std::int64_t tokens = 0;
-  for (int i = 0; i < kDecode - 8; ++i) {
-    const auto r = exec.step();
-    if (!r.ok()) break;
-    tokens += r.value();
-  }
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  return static_cast<double>(tokens) / secs;
+  return bench::decode_tokens_per_second(exec, sessions, kPrompt, kDecode - 8, kConfig.vocab);
 }
 
 }  // namespace

@@ -10,7 +10,6 @@
 #include <cellkv/cuda/sharded_cache.cuh>
 #include <cellkv/cuda/stream.hpp>
 
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +20,7 @@
 #include "../examples/llama/gpu_llama.cuh"
 #include "../examples/llama/nccl_reduce.cuh"
 #include "../examples/llama/tp_llama.cuh"
+#include "decode_timing.hpp"
 
 namespace {
 
@@ -39,26 +39,10 @@ cellkv::CacheConfig cache_config(std::int32_t sessions) {
 const cellkv::gpu::PoolShape kShape{.layers = kConfig.layers, .heads_kv = kConfig.heads_kv,
                                     .head_dim = kConfig.head_dim, .heads_q = kConfig.heads_q};
 
-// Prefills `sessions` prompts, warms the decode graph, then times decode steps: tokens/s.
 template <class M, class C>
 double decode_tokens_per_second(M& model, C& cache, std::int32_t sessions) {
   cellkv::batching::Executor exec(model, cache, {.max_write = 256, .min_prefill_tokens = 2, .max_tokens_per_session = kMaxLen});
-  std::vector<std::int32_t> prompt(kPrompt);
-  for (std::int32_t s = 0; s < sessions; ++s) {
-    for (std::int32_t t = 0; t < kPrompt; ++t) prompt[static_cast<std::size_t>(t)] = (s * 131 + t * 7) % kConfig.vocab;
-    if (!exec.sessions().add(prompt, kDecode + 8).ok()) throw std::runtime_error("add refused");
-  }
-  while (exec.sessions().feeding_count() > 0)
-    if (!exec.step().ok()) throw std::runtime_error("prefill step refused");
-  for (int i = 0; i < 3; ++i) (void)exec.step();  // warm: the decode width's graph captured
-  const auto t0 = std::chrono::steady_clock::now();
-  std::int64_t tokens = 0;
-  for (int i = 0; i < kDecode - 8; ++i) {
-    const auto r = exec.step();
-    if (!r.ok()) throw std::runtime_error("decode step refused: " + std::string(r.status().message()));
-    tokens += r.value();
-  }
-  return static_cast<double>(tokens) / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return bench::decode_tokens_per_second(exec, sessions, kPrompt, kDecode - 8, kConfig.vocab);
 }
 
 double single_gpu(const llama::Weights& w, std::int32_t sessions) {
