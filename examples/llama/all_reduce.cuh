@@ -13,6 +13,7 @@
 #include <barrier>
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "gpu_kernels.cuh"
@@ -37,18 +38,17 @@ class DeviceSumReduce final : public AllReduce<T> {
  public:
   static constexpr int kMaxRanks = 8;
 
+  // Throws std::invalid_argument unless 1 <= ranks <= kMaxRanks.
   explicit DeviceSumReduce(std::int32_t ranks)
-      : ranks_(ranks), ready_(static_cast<std::size_t>(ranks)), data_(static_cast<std::size_t>(ranks)),
-        meet_(ranks) {
-    if (ranks < 1 || ranks > kMaxRanks) throw std::invalid_argument("llama::DeviceSumReduce: 1 to 8 ranks");
-  }
+      : ranks_(checked(ranks)), ready_(static_cast<std::size_t>(ranks_)), data_(static_cast<std::size_t>(ranks_)),
+        meet_(ranks_) {}
 
   cellkv::Status sum(std::int32_t rank, T* data, std::size_t count, cudaStream_t stream) override {
     const auto r = static_cast<std::size_t>(rank);
     data_[r] = data;
     cellkv::Status status = ready_[r].record(stream);
     meet_.arrive_and_wait();  // every rank's data is recorded
-    if (rank == 0) status = sum_on(stream, count);
+    if (rank == 0 && status.ok()) status = sum_on(stream, count);
     meet_.arrive_and_wait();  // the sum is enqueued
     if (rank != 0 && status.ok()) status = summed_.wait_on(stream);
     return status;
@@ -56,6 +56,11 @@ class DeviceSumReduce final : public AllReduce<T> {
   [[nodiscard]] bool capturable() const override { return false; }
 
  private:
+  static std::int32_t checked(std::int32_t ranks) {
+    if (ranks < 1 || ranks > kMaxRanks) throw std::invalid_argument("llama::DeviceSumReduce: 1 to 8 ranks");
+    return ranks;
+  }
+
   cellkv::Status sum_on(cudaStream_t stream, std::size_t count) {
     kernels::Parts<T, kMaxRanks> parts{};
     for (std::int32_t r = 0; r < ranks_; ++r) {

@@ -54,7 +54,11 @@ class TpLlama {
     });
     if (!built.ok()) {
       release();
-      throw std::invalid_argument("llama::TpLlama: " + std::string(built.message()));
+      const std::string what = "llama::TpLlama: " + std::string(built.message());
+      if (built.code() == cellkv::Errc::uneven_shards || built.code() == cellkv::Errc::bad_head_ratio ||
+          built.code() == cellkv::Errc::bad_argument)
+        throw std::invalid_argument(what);
+      throw std::runtime_error(what);
     }
   }
   TpLlama(const TpLlama&) = delete;

@@ -70,5 +70,7 @@ TEST_CASE("sharded cache refusals: bad construction throws; bad calls return a s
   uneven.ffn = 97;  // MLP columns do not split over 2 ranks
   CHECK_THROWS_AS(llama::TpLlama<C>(uneven, llama::generate(uneven), cache, two), std::invalid_argument);
   CHECK_THROWS_AS(llama::DeviceSumReduce<float>(0), std::invalid_argument);
+  CHECK_THROWS_AS(llama::DeviceSumReduce<float>(-1), std::invalid_argument);
+  CHECK_THROWS_AS(llama::DeviceSumReduce<float>(9), std::invalid_argument);
   test::require_device_ok();
 }
