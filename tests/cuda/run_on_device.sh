@@ -23,8 +23,9 @@ check memcheck timeout "$limit" compute-sanitizer --tool memcheck --leak-check f
 check racecheck timeout "$limit" compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 1 "$suite"
 nccl="$build/tests/cuda/cellkv-gpu-nccl-tests"
 # exit 77: fewer than two GPUs, the suite skipped (not a failure). NCCL_P2P_DISABLE defaults to 1:
-# on the lent H200 VMs NCCL's in-process P2P/direct-pointer transport faults (illegal address in
-# NCCL's kernels, none in cellkv's under memcheck); set NCCL_P2P_DISABLE=0 where P2P works.
+# on the lent H200 VMs NCCL's in-process P2P/direct-pointer transport ends the first 2-GPU
+# all-reduce in an illegal address (memcheck: none in cellkv's kernels); set NCCL_P2P_DISABLE=0
+# where P2P works.
 [ -x "$nccl" ] && check nccl-suite env NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}" \
   bash -c '"$1"; rc=$?; [ $rc -eq 77 ] && exit 0; exit $rc' _ "$nccl"
 [ -x "$build/examples/cellkv-gpu-steps" ] && check gpu-example "$build/examples/cellkv-gpu-steps"
