@@ -54,16 +54,6 @@ std::vector<std::vector<std::byte>> step_buffers(const Shard& s) {
   return out;
 }
 
-// Columns [first, first + count) of each row of a [rows, n] matrix.
-template <class T>
-std::vector<T> columns(const std::vector<T>& m, std::size_t n, std::size_t first, std::size_t count) {
-  std::vector<T> out;
-  for (std::size_t r = 0; r < m.size() / n; ++r)
-    out.insert(out.end(), m.begin() + static_cast<std::ptrdiff_t>(r * n + first),
-               m.begin() + static_cast<std::ptrdiff_t>(r * n + first + count));
-  return out;
-}
-
 // One stream per shard, each created on its shard's device.
 template <class Sharded>
 std::vector<std::unique_ptr<gpu::Stream>> shard_streams(const Sharded& cache) {
@@ -137,9 +127,9 @@ void sharded_buffers_equal_single(const std::vector<int>& devices) {
       for (std::int32_t g = 0; g < G; ++g) {
         const HeadShard heads = sharded.heads(g);
         const gpu::DeviceGuard on(sharded.device(g));
-        DeviceArray<T> sq(columns(q, Hq * D, static_cast<std::size_t>(heads.q.first * D), static_cast<std::size_t>(heads.q.count * D)));
-        DeviceArray<T> sk(columns(k, Hkv * D, static_cast<std::size_t>(heads.kv.first * D), static_cast<std::size_t>(heads.kv.count * D)));
-        DeviceArray<T> sv(columns(v, Hkv * D, static_cast<std::size_t>(heads.kv.first * D), static_cast<std::size_t>(heads.kv.count * D)));
+        DeviceArray<T> sq(columns(q, Hq * D, heads.q.first * D, heads.q.count * D));
+        DeviceArray<T> sk(columns(k, Hkv * D, heads.kv.first * D, heads.kv.count * D));
+        DeviceArray<T> sv(columns(v, Hkv * D, heads.kv.first * D, heads.kv.count * D));
         DeviceArray<T> sout(static_cast<std::size_t>(width * heads.q.count * D));
         REQUIRE(sharded.shard(g)
                     .update_and_attend(layer, sq.data(), sk.data(), sv.data(), sout.data(), width, heads.q.count, 0.f,
@@ -147,7 +137,7 @@ void sharded_buffers_equal_single(const std::vector<int>& devices) {
                     .ok());
         streams[static_cast<std::size_t>(g)]->synchronize();
         const auto got = sout.download();
-        const auto want_cols = columns(out, Hq * D, static_cast<std::size_t>(heads.q.first * D), static_cast<std::size_t>(heads.q.count * D));
+        const auto want_cols = columns(out, Hq * D, heads.q.first * D, heads.q.count * D);
         // Real tokens only: padding rows are never read.
         const std::vector<T> got_real(got.begin(), got.begin() + T_tokens * heads.q.count * D);
         const std::vector<double> want_real(want_cols.begin(), want_cols.begin() + T_tokens * heads.q.count * D);

@@ -1,6 +1,7 @@
 // Helpers shared by the host tests: read a placed step and its mask rows as plain vectors.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <vector>
@@ -51,6 +52,19 @@ template <class Cache>
 Status declare(Cache& cache, std::initializer_list<std::int32_t> seqs) {
   const std::vector<std::int32_t> ids(seqs);
   return cache.declare_step(ids).status();
+}
+
+// Columns [first, first + count) of every row of a row-major matrix with n_cols columns: a shard's
+// slice of a [tokens, heads * D] activation or of a pool's rows (an oracle independent of the
+// example's weight split).
+template <class T>
+std::vector<T> columns(const std::vector<T>& m, std::int64_t n_cols, std::int64_t first, std::int64_t count) {
+  std::vector<T> out;
+  for (std::size_t r = 0; r < m.size() / static_cast<std::size_t>(n_cols); ++r) {
+    const auto row = m.begin() + static_cast<std::ptrdiff_t>(r) * n_cols;
+    out.insert(out.end(), row + first, row + first + count);
+  }
+  return out;
 }
 
 using Rows = std::vector<std::int64_t>;

@@ -42,15 +42,6 @@ std::vector<double> product64(const std::vector<float>& x, const std::vector<flo
   return y;
 }
 
-// Columns [first, first + count) of every row of a [rows, cols] activation.
-template <class T>
-std::vector<T> cols(const std::vector<T>& m, std::int32_t n_cols, std::int32_t first, std::int32_t count) {
-  std::vector<T> out;
-  for (std::size_t r = 0; r < m.size() / static_cast<std::size_t>(n_cols); ++r)
-    for (std::int32_t c = 0; c < count; ++c) out.push_back(m[r * static_cast<std::size_t>(n_cols) + static_cast<std::size_t>(first + c)]);
-  return out;
-}
-
 }  // namespace
 
 TEST_CASE("head_shard: shards partition the heads and every query head sits with its KV head") {
@@ -128,13 +119,13 @@ TEST_CASE("shard_weights: column splits reproduce the model's columns, row split
       const llama::LayerWeights& part = sw.layers[0];
       const std::int32_t D = c.head_dim;
       CHECK(product64(h, part.wq, c.dim, sc.q_width()) ==
-            cols(q_full, c.q_width(), plan.value().heads.q.first * D, sc.q_width()));
+            test::columns(q_full, c.q_width(), plan.value().heads.q.first * D, sc.q_width()));
       CHECK(product64(h, part.wk, c.dim, sc.kv_width()) ==
-            cols(k_full, c.kv_width(), plan.value().heads.kv.first * D, sc.kv_width()));
-      CHECK(product64(h, part.w1, c.dim, sc.ffn) == cols(up_full, c.ffn, plan.value().ffn.first, sc.ffn));
-      const auto o = product64(cols(attn, c.q_width(), plan.value().heads.q.first * D, sc.q_width()), part.wo,
+            test::columns(k_full, c.kv_width(), plan.value().heads.kv.first * D, sc.kv_width()));
+      CHECK(product64(h, part.w1, c.dim, sc.ffn) == test::columns(up_full, c.ffn, plan.value().ffn.first, sc.ffn));
+      const auto o = product64(test::columns(attn, c.q_width(), plan.value().heads.q.first * D, sc.q_width()), part.wo,
                                sc.q_width(), c.dim);
-      const auto down = product64(cols(hidden, c.ffn, plan.value().ffn.first, sc.ffn), part.w2, sc.ffn, c.dim);
+      const auto down = product64(test::columns(hidden, c.ffn, plan.value().ffn.first, sc.ffn), part.w2, sc.ffn, c.dim);
       for (std::size_t i = 0; i < o.size(); ++i) o_sum[i] += o[i];
       for (std::size_t i = 0; i < down.size(); ++i) down_sum[i] += down[i];
       CHECK(sw.embed == w.embed);
@@ -187,16 +178,16 @@ TEST_CASE_TEMPLATE("one host plan drives every shard: shard attention equals the
                   .ok());
       for (std::int32_t g = 0; g < kShards; ++g) {
         const HeadShard heads = head_shard(kHeadsQ, kHeadsKv, kShards, g).value();
-        const auto q_g = cols(q, kHeadsQ * kD, heads.q.first * kD, heads.q.count * kD);
-        const auto k_g = cols(k, kHeadsKv * kD, heads.kv.first * kD, heads.kv.count * kD);
-        const auto v_g = cols(v, kHeadsKv * kD, heads.kv.first * kD, heads.kv.count * kD);
+        const auto q_g = test::columns(q, kHeadsQ * kD, heads.q.first * kD, heads.q.count * kD);
+        const auto k_g = test::columns(k, kHeadsKv * kD, heads.kv.first * kD, heads.kv.count * kD);
+        const auto v_g = test::columns(v, kHeadsKv * kD, heads.kv.first * kD, heads.kv.count * kD);
         std::vector<float> out_g(q_g.size());
         REQUIRE(reference::update_and_attend(cache, window, shards[static_cast<std::size_t>(g)].view(layer),
                                              std::span<const float>(q_g), std::span<const float>(k_g),
                                              std::span<const float>(v_g), std::span<float>(out_g), heads.q.count,
                                              0.5f)
                     .ok());
-        CHECK(out_g == cols(out, kHeadsQ * kD, heads.q.first * kD, heads.q.count * kD));
+        CHECK(out_g == test::columns(out, kHeadsQ * kD, heads.q.first * kD, heads.q.count * kD));
         CHECK(heads.q.count / heads.kv.count == kGroup);
       }
     }
