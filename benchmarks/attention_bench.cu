@@ -11,12 +11,15 @@
 //
 // Placement of the decode caches: tokens are placed as decode places them, round-robin over the
 // sequences (one token of each per step), so lowest_free interleaves every tile and clustered<64>
-// keeps each sequence in aligned blocks of its own.
+// keeps each sequence in aligned blocks of its own. The table kernels read both at the same speed
+// (cellkv-bench-churn measures a cache after long serving churn).
 //
-//   build/benchmarks/cellkv-bench-attention [--quick] [--out FILE] [--only decode:16x4k]
+//   build/benchmarks/cellkv-bench-attention [--quick] [--out FILE] [--only decode | --only decode:16x4k]
 #include <cellkv/cellkv.hpp>
 #include <cellkv/cuda/device_cache.cuh>
 #include <cellkv/cuda/stream.hpp>
+
+#include "bench_util.cuh"
 
 #include <cuda_bf16.h>
 
@@ -32,6 +35,9 @@
 namespace {
 
 using namespace cellkv;
+using bench::randomize;
+using bench::shape_name;
+using bench::time_ms;
 using bf16 = __nv_bfloat16;
 using Model = Windows<0>;
 constexpr std::int32_t kHq = 32, kHkv = 8, kD = 128;
@@ -39,57 +45,12 @@ constexpr std::int32_t kHq = 32, kHkv = 8, kD = 128;
 struct Options {
   bool quick = false;
   std::FILE* out = stdout;
-  std::string only;  // "decode:16x4k" etc.: run just that measurement (profiling); empty: all
+  std::string only;  // "decode" or "decode:16x4k": just that work or measurement; empty: all
 
   [[nodiscard]] bool wants(const char* work, const std::string& shape) const {
-    return only.empty() || only == std::string(work) + ":" + shape;
+    return only.empty() || only == work || only == std::string(work) + ":" + shape;
   }
 };
-
-__global__ void fill_random(bf16* p, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 13, x *= 0x5bd1e995u, x ^= x >> 15;
-    p[i] = __float2bfloat16(static_cast<float>(x & 0xffff) / 32768.f - 1.f);
-  }
-}
-
-void randomize(bf16* p, std::size_t n, std::uint32_t seed) {
-  fill_random<<<1024, 256>>>(p, n, seed);
-  CELLKV_CUDA_THROW(cudaGetLastError());
-}
-
-void emit(const Options& o, const char* work, const std::string& shape, const char* impl, double ms, double metric,
-          const char* unit) {
-  std::fprintf(o.out, "{\"work\": \"%s\", \"shape\": \"%s\", \"impl\": \"%s\", \"ms\": %.6f, \"metric\": %.4f, \"unit\": \"%s\"}\n",
-               work, shape.c_str(), impl, ms, metric, unit);
-  std::fflush(o.out);
-  std::fprintf(stderr, "  %-8s %-9s %-28s %10.4f ms %10.3f %s\n", work, shape.c_str(), impl, ms, metric, unit);
-}
-
-std::string shape_name(std::int32_t n, std::int32_t len) {
-  return std::to_string(n) + "x" + (len % 1024 == 0 ? std::to_string(len / 1024) + "k" : std::to_string(len));
-}
-
-// Median milliseconds of one call of f(): `samples` samples of `reps` back-to-back calls.
-template <class F>
-double time_ms(F&& f, cudaStream_t stream, int reps, int samples) {
-  gpu::Event start(true), stop(true);
-  for (int i = 0; i < 3; ++i) f();
-  std::vector<float> ms;
-  for (int s = 0; s < samples; ++s) {
-    (void)start.record(stream);
-    for (int r = 0; r < reps; ++r) f();
-    (void)stop.record(stream);
-    CELLKV_CUDA_THROW(cudaEventSynchronize(stop.get()));
-    float t = 0;
-    CELLKV_CUDA_THROW(cudaEventElapsedTime(&t, start.get(), stop.get()));
-    ms.push_back(t / static_cast<float>(reps));
-  }
-  std::nth_element(ms.begin(), ms.begin() + samples / 2, ms.end());
-  return ms[static_cast<std::size_t>(samples / 2)];
-}
 
 // One attention layer of a cache with random K/V and queries for the declared step.
 template <class Cache>
@@ -129,10 +90,9 @@ void bench_decode(const Options& o, const char* impl, std::int32_t n, std::int32
   for (std::int32_t t = 0; t < len; ++t)
     if (!cache.declare_step(ids).ok()) throw std::runtime_error("fill refused");
   gpu::Stream stream;
-  const bool slow = reference || (std::string(impl).find("lowest") != std::string::npos && n > 1);
-  const double ms = time_step(cache, ids, stream, slow ? 1 : 20, slow ? 3 : (o.quick ? 5 : 15));
+  const double ms = time_step(cache, ids, stream, reference ? 1 : 20, reference ? 3 : (o.quick ? 5 : 15));
   const double bytes = static_cast<double>(n) * len * kHkv * kD * 2 * 2;
-  emit(o, "decode", shape_name(n, len), impl, ms, bytes / (ms * 1e-3) / 1e12, "TB/s");
+  bench::emit(o.out, "decode", shape_name(n, len), impl, ms, bytes / (ms * 1e-3) / 1e12, "TB/s");
 }
 
 // Prefill: one step holding every token of N sequences of L tokens (sequence by sequence).
@@ -149,7 +109,7 @@ void bench_prefill(const Options& o, const char* impl, std::int32_t n, std::int3
   gpu::Stream stream;
   const double ms = time_step(cache, step, stream, 5, o.quick ? 3 : 10);
   const double flops = 4.0 * n * (static_cast<double>(len) * (len + 1) / 2) * kHq * kD;
-  emit(o, "prefill", shape_name(n, len), impl, ms, flops / (ms * 1e-3) / 1e12, "TFLOP/s");
+  bench::emit(o.out, "prefill", shape_name(n, len), impl, ms, flops / (ms * 1e-3) / 1e12, "TFLOP/s");
 }
 
 // Per-step overhead: 256 decode tokens over 256k cells (256 sequences of ~1000 tokens).
@@ -180,8 +140,8 @@ void bench_overhead(const Options& o) {
   std::sort(host.begin(), host.end());
   std::sort(wall.begin(), wall.end());
   const double h = host[host.size() / 2], w = wall[wall.size() / 2];
-  emit(o, "overhead", "256tok_256kcells", "cellkv_step_overhead", w * 1e-3, w, "us");
-  emit(o, "overhead", "256tok_256kcells", "cellkv_step_overhead_host", h * 1e-3, h, "us");
+  bench::emit(o.out, "overhead", "256tok_256kcells", "cellkv_step_overhead", w * 1e-3, w, "us");
+  bench::emit(o.out, "overhead", "256tok_256kcells", "cellkv_step_overhead_host", h * 1e-3, h, "us");
 }
 
 }  // namespace

@@ -49,7 +49,7 @@ void draw_cell_map(const Cache& cache) {
 // The visibility rule, from the cells' metadata alone.
 bool rule_says_visible(const Cache& cache, std::int32_t seq, std::int32_t pos, std::int32_t window, std::int32_t c) {
   const std::int32_t cp = cache.cell_pos(c);
-  return cp >= 0 && cache.cell_owners(c).test(seq) && cp <= pos && cellkv::within_window(window, pos, cp);
+  return cp >= 0 && cache.cell_owners(c).test(seq) && cellkv::sees(window, pos, cp);
 }
 
 // Draws each window's mask rows for the placed step; returns the number of bits that disagree

@@ -1,8 +1,9 @@
 // cellkv/step_plan.hpp - what the host hands the device for a placed step, as plain data.
 //
-// The device side (include/cellkv/cuda/) consumes exactly this: per token its row, sequence and
-// position; read_len; and what changed since the last upload (the cells whose metadata changed,
-// for the cell layout's device mirror, and the row copies of forks, for the sequence layout).
+// The device side (include/cellkv/cuda/) consumes exactly this and queries nothing else: per token
+// its row, sequence and position; the step's segments; read_len; and what changed since the last
+// upload (the position-table entries written, for the cell layout; the row copies of forks, for
+// the sequence layout).
 #pragma once
 
 #include <cstdint>
@@ -35,20 +36,9 @@ struct RowRange {
   friend bool operator==(const RowRange&, const RowRange&) = default;
 };
 
-// A placed step of T tokens. The spans point into the cache and stay valid until the next
-// declaration or verb.
-struct StepPlan {
-  std::int32_t tokens = 0;                  // T
-  std::span<const std::int64_t> rows;       // [T] row (cell) written by token t
-  std::span<const std::int32_t> seqs;       // [T] sequence of token t
-  std::span<const std::int32_t> positions;  // [T] position of token t in its sequence
-  std::int64_t read_len = 0;                // 1 + highest occupied row after placement (0 if none)
-  std::uint64_t serial = 0;                 // counts declared steps; a new placement gets a new serial
-};
-
 // A query segment: a maximal run of consecutive step tokens of one sequence, tokens
 // [tok0, tok0 + len) at positions [pos0, pos0 + len) (positions of a sequence's tokens in a step
-// are consecutive in token order). Fast kernels take one segment's queries as one tile of rows.
+// are consecutive in token order). Kernels take one segment's queries as one tile of rows.
 struct Segment {
   std::int32_t seq = 0;
   std::int32_t tok0 = 0;
@@ -57,23 +47,42 @@ struct Segment {
   friend bool operator==(const Segment&, const Segment&) = default;
 };
 
-// Splits a placed step into its segments, in token order; returns how many were written to out
-// (out.size() >= plan.tokens suffices).
-inline std::int32_t split_segments(const StepPlan& plan, std::span<Segment> out) {
+// A placed step of T tokens. The spans point into the cache and stay valid until the next
+// declaration or verb.
+struct StepPlan {
+  std::int32_t tokens = 0;                  // T
+  std::span<const std::int64_t> rows;       // [T] row (cell) written by token t
+  std::span<const std::int32_t> seqs;       // [T] sequence of token t
+  std::span<const std::int32_t> positions;  // [T] position of token t in its sequence
+  std::span<const Segment> segments;        // the step's segments, in token order
+  std::int64_t read_len = 0;                // 1 + highest occupied row after placement (0 if none)
+  std::uint64_t serial = 0;                 // counts declared steps; a new placement gets a new serial
+};
+
+// Splits the tokens of a step (seqs[t], positions[t]) into segments, in token order; returns how
+// many were written to out (out.size() >= seqs.size() suffices).
+inline std::int32_t split_segments(std::span<const std::int32_t> seqs, std::span<const std::int32_t> positions,
+                                   std::span<Segment> out) {
   std::int32_t n = 0;
-  for (std::int32_t t = 0; t < plan.tokens; ++t) {
-    const auto i = static_cast<std::size_t>(t);
-    const bool extends = n > 0 && out[static_cast<std::size_t>(n - 1)].seq == plan.seqs[i];
+  for (std::size_t i = 0; i < seqs.size(); ++i) {
+    const bool extends = n > 0 && out[static_cast<std::size_t>(n - 1)].seq == seqs[i];
     if (extends) ++out[static_cast<std::size_t>(n - 1)].len;
-    else out[static_cast<std::size_t>(n++)] = Segment{plan.seqs[i], t, 1, plan.positions[i]};
+    else out[static_cast<std::size_t>(n++)] = Segment{seqs[i], static_cast<std::int32_t>(i), 1, positions[i]};
   }
   return n;
 }
 
+// Position-table entries written since the last acknowledge (cell layout): the device copy of the
+// table becomes equal to the host's by writing table[indices[i]] = values[indices[i]].
+struct TableChanges {
+  std::span<const std::int32_t> indices;  // into the flat table, each listed once
+  std::span<const std::int32_t> values;   // the whole flat table (directory, then pages)
+};
+
 // What changed since the last `acknowledge_changes()`, for an incremental device upload.
 struct PendingChanges {
-  std::span<const std::int32_t> cells;  // cell layout: cells whose position or owners changed
-  std::span<const RowCopy> copies;      // sequence layout: fork copies, in the order to run them
+  std::span<const RowCopy> copies;  // sequence layout: fork copies, in the order to run them
+  TableChanges table;               // cell layout: position-table entries to write
 };
 
 }  // namespace cellkv

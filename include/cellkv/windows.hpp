@@ -98,10 +98,4 @@ struct is_windows<Windows<W...>> : std::true_type {};
 template <class W>
 concept WindowSet = detail::is_windows<W>::value;
 
-// The visibility rule's window test (DESIGN.md section 3, rule 4): can a query at `query_pos` see
-// a cell at `cell_pos <= query_pos` through a layer of window `window`?
-constexpr bool within_window(std::int32_t window, std::int32_t query_pos, std::int32_t cell_pos) noexcept {
-  return window == 0 || query_pos - cell_pos < window;
-}
-
 }  // namespace cellkv

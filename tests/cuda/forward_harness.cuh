@@ -41,6 +41,22 @@ class ForwardHarness {
                   .ok());
   }
 
+  // Writes the step's K/V rows (fresh random values) on the device and in the host pools, with no
+  // attention: cheap steps that fill a cache (the uploaded width; the real tokens are the first T).
+  void write_step(std::int32_t width, std::mt19937_64& rng, ::cuda::stream_ref stream) {
+    new_inputs(width, rng);
+    for (std::int32_t l = 0; l < W::kLayers; ++l) REQUIRE(cache_.write(l, k_.data(), v_.data(), width, stream).ok());
+    const auto& host = cache_.host();
+    const auto kn = static_cast<std::size_t>(host.step().tokens) * kv_row();
+    const std::vector<double> k = as_double(std::vector<T>(hk_.begin(), hk_.begin() + static_cast<std::ptrdiff_t>(kn)));
+    const std::vector<double> v = as_double(std::vector<T>(hv_.begin(), hv_.begin() + static_cast<std::ptrdiff_t>(kn)));
+    for (std::int32_t l = 0; l < W::kLayers; ++l) {
+      const PoolView<double> pool{host_k_[static_cast<std::size_t>(l)].data(), host_v_[static_cast<std::size_t>(l)].data(),
+                                  cache_.pool().rows(), shape_.heads_kv, shape_.head_dim};
+      reference::write<double>(pool, k, v, host.step().rows);
+    }
+  }
+
   // New random inputs for the step (width rows; the real tokens are the first T).
   void new_inputs(std::int32_t width, std::mt19937_64& rng) {
     const auto qn = static_cast<std::size_t>(width * heads_q_ * shape_.head_dim);
@@ -78,6 +94,16 @@ class ForwardHarness {
                                               shape_.head_dim));
     }
     return worst;
+  }
+
+  // The device outputs of the step's real tokens, every layer: [layers][T, H_q, D] as double.
+  std::vector<double> outputs() const {
+    const auto n = static_cast<std::size_t>(cache_.host().step().tokens * heads_q_ * shape_.head_dim);
+    const std::vector<T> all = out_.download();
+    std::vector<double> out;
+    for (std::int32_t l = 0; l < W::kLayers; ++l)
+      for (std::size_t i = 0; i < n; ++i) out.push_back(to_double(all[out_offset(l) + i]));
+    return out;
   }
 
   // Outputs of the padding rows [T, width) of every layer: must be exactly zero.

@@ -109,6 +109,22 @@ double compare_outputs(const std::vector<T>& got, const std::vector<double>& wan
   return worst;
 }
 
+// Largest per-row difference of two outputs [rows, head_dim], relative to the row's largest value
+// in `b` (absolute for an all-zero row).
+inline double max_relative_difference(const std::vector<double>& a, const std::vector<double>& b, std::int32_t head_dim) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (std::size_t r = 0; r < a.size(); r += static_cast<std::size_t>(head_dim)) {
+    double scale = 0, err = 0;
+    for (std::size_t i = r; i < r + static_cast<std::size_t>(head_dim); ++i) {
+      scale = std::max(scale, std::abs(b[i]));
+      err = std::max(err, std::abs(a[i] - b[i]));
+    }
+    worst = std::max(worst, scale == 0 ? err : err / scale);
+  }
+  return worst;
+}
+
 inline void require_device_ok() {
   REQUIRE(cudaGetLastError() == cudaSuccess);
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);

@@ -1,6 +1,7 @@
-// The device side of the cache: the mirror and the masks built on the device equal the host's
-// metadata and mask rows bit for bit; random multi-layer steps (forks, removals, refilled holes,
-// two windows) match the host reference for both layouts, every dtype and head dim.
+// The device side of the cache: the position table's device copy and the masks built on the
+// device from it equal the host's table and mask rows bit for bit; random multi-layer steps (forks,
+// removals, refilled holes, two windows) match the host reference for both layouts, every dtype
+// and head dim.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -19,10 +20,11 @@ using namespace cellkv::test;
 using TwoWindows = Windows<0, 5, 0>;
 
 template <class Cache>
-void check_masks_and_mirror(const Cache& cache, std::int32_t width) {
+void check_masks_and_table(const Cache& cache, std::int32_t width) {
   const auto& host = cache.host();
   const auto plan = host.step();
   const auto& b = cache.bindings();
+  REQUIRE(b.masks != nullptr);
   std::vector<std::uint8_t> got(static_cast<std::size_t>(b.max_cells));
   std::vector<std::uint8_t> want(static_cast<std::size_t>(plan.read_len));
   for (std::int32_t buf = 0; buf < TwoWindows::kDistinct; ++buf) {
@@ -36,16 +38,13 @@ void check_masks_and_mirror(const Cache& cache, std::int32_t width) {
       CHECK(std::equal(want.begin(), want.end(), got.begin()));
     }
   }
-  const auto cells = static_cast<std::size_t>(b.max_cells);
-  std::vector<std::int32_t> pos(cells);
-  std::vector<std::uint64_t> words(cells * static_cast<std::size_t>(Cache::kWords));
-  REQUIRE(cudaMemcpy(pos.data(), b.cell_pos, pos.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
-  REQUIRE(cudaMemcpy(words.data(), b.owner_words, words.size() * 8, cudaMemcpyDeviceToHost) == cudaSuccess);
-  for (std::size_t c = 0; c < cells; ++c) {
-    CHECK(pos[c] == host.cell_pos(static_cast<std::int32_t>(c)));
-    for (std::int32_t w = 0; w < Cache::kWords; ++w)
-      CHECK(words[static_cast<std::size_t>(w) * cells + c] == host.cell_owners(static_cast<std::int32_t>(c)).word_at(w));
-  }
+  // The device table maps every live position to the host's cell.
+  std::vector<std::int32_t> flat(host.table().flat().size());
+  REQUIRE(cudaMemcpy(flat.data(), b.table_flat, flat.size() * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  const PositionTableView view{flat.data(), flat.data() + host.table().directory_entries(), host.table().dir_stride()};
+  host.live_sequences().for_each([&](std::int32_t s) {
+    for (std::int32_t p = 0; p < host.pos(s).value(); ++p) CHECK(view.cell(s, p) == host.cell_of(s, p));
+  });
 }
 
 template <class Cache>
@@ -60,7 +59,7 @@ void random_mask_run(std::uint64_t seed) {
     const std::int32_t width = T + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(13 - T));
     REQUIRE(cache.upload(stream, width).ok());
     stream.synchronize();
-    check_masks_and_mirror(cache, width);
+    check_masks_and_table(cache, width);
   }
 }
 
@@ -88,12 +87,12 @@ void random_forward_run(std::int32_t heads_q, gpu::PoolShape shape, std::int32_t
 
 }  // namespace
 
-TEST_CASE("device mirror and masks equal the host's, bit for bit (lowest_free)") {
+TEST_CASE("device position table and masks equal the host's, bit for bit (lowest_free)") {
   for (std::uint64_t seed = 1; seed <= 3; ++seed)
     random_mask_run<gpu::DeviceCache<layout::cell, float, TwoWindows, placement::lowest_free, 8>>(seed);
 }
 
-TEST_CASE("device mirror and masks equal the host's, bit for bit (clustered, 2 owner words)") {
+TEST_CASE("device position table and masks equal the host's, bit for bit (clustered, 128 sequences)") {
   for (std::uint64_t seed = 4; seed <= 5; ++seed)
     random_mask_run<gpu::DeviceCache<layout::cell, float, TwoWindows, placement::clustered<16>, 128>>(seed);
 }

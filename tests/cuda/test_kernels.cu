@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "cellkv/cuda/ops.cuh"
+#include "cellkv/cuda/launch/ops.cuh"
 #include "cellkv/cuda/stream.hpp"
 #include "cellkv/reference.hpp"
 #include "support.cuh"

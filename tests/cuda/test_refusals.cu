@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "cellkv/cuda/device_cache.cuh"
-#include "cellkv/cuda/ops.cuh"
+#include "cellkv/cuda/launch/ops.cuh"
 #include "cellkv/cuda/stream.hpp"
 #include "support.cuh"
 

@@ -34,24 +34,26 @@ inline std::vector<std::byte> bytes_at(const void* device, std::size_t n) {
   return host;
 }
 
-// Every step buffer a kernel reads: the step block, and for the cell layout the masks, the
-// metadata mirror and the tile stats.
+// Every step buffer a kernel reads: the step block, and for the cell layout the masks and the
+// position table's device copy.
 template <class Shard>
-std::vector<std::vector<std::byte>> step_buffers(const Shard& s) {
+std::vector<std::vector<std::byte>> step_buffers(const Shard& s, std::size_t table_entries) {
   const gpu::StepBindings& b = s.bindings();
-  const bool cells = b.max_cells > 0;
-  const auto cells_n = static_cast<std::size_t>(b.max_cells);
-  const auto tiles = static_cast<std::size_t>(b.tiles.max_tiles);
-  std::vector<std::vector<std::byte>> out{
-      bytes_at(b.cells, gpu::StepBlockLayout(b.max_write, b.windows, !cells).bytes)};
-  if (cells) {
-    out.push_back(bytes_at(b.masks, static_cast<std::size_t>(b.windows) * static_cast<std::size_t>(b.max_write) * cells_n));
-    out.push_back(bytes_at(b.cell_pos, cells_n * sizeof(std::int32_t)));
-    out.push_back(bytes_at(b.owner_words, cells_n * Shard::kWords * sizeof(std::uint64_t)));
-    out.push_back(bytes_at(b.tiles.stats, tiles * sizeof(gpu::TileStats)));
-    out.push_back(bytes_at(b.tiles.tile_or, 2 * tiles * Shard::kWords * sizeof(std::uint64_t)));
+  std::vector<std::vector<std::byte>> out{bytes_at(b.cells, s.step_block_bytes())};
+  if (b.max_cells > 0) {
+    REQUIRE(b.masks != nullptr);
+    out.push_back(bytes_at(b.masks, static_cast<std::size_t>(b.windows) * static_cast<std::size_t>(b.max_write) *
+                                        static_cast<std::size_t>(b.max_cells)));
+    out.push_back(bytes_at(b.table_flat, table_entries * sizeof(std::int32_t)));
   }
   return out;
+}
+
+// Ints of the host's position table (0: the sequence layout has none).
+template <class Host>
+std::size_t table_entries(const Host& host) {
+  if constexpr (requires { host.table(); }) return host.table().flat().size();
+  else return 0;
 }
 
 // One stream per shard, each created on its shard's device.
@@ -114,8 +116,9 @@ void sharded_buffers_equal_single(const std::vector<int>& devices) {
     REQUIRE(single.upload(stream, width, gpu::Masks::always).ok());
     REQUIRE(sharded.upload(refs, width, gpu::Masks::always).ok());
     REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
-    const auto want = step_buffers(single.shard());
-    for (std::int32_t g = 0; g < G; ++g) CHECK(step_buffers(sharded.shard(g)) == want);
+    const std::size_t entries = table_entries(single.host());
+    const auto want = step_buffers(single.shard(), entries);
+    for (std::int32_t g = 0; g < G; ++g) CHECK(step_buffers(sharded.shard(g), entries) == want);
     for (std::int32_t layer = 0; layer < W::kLayers; ++layer) {
       const auto w = static_cast<std::size_t>(width);
       const auto q = random_values<T>(w * Hq * D, rng), k = random_values<T>(w * Hkv * D, rng),

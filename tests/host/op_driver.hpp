@@ -10,10 +10,11 @@
 // clustered placements), read_len and the serial. After every operation it checks the whole
 // observable state: capacity, free_cells, used_end, live ids, pos of every id (in range or not),
 // the placed step, every mask row of every distinct window of the window set against the oracle's
-// visibility over [0, read_len), visible() on random rows, and per layout: cell metadata
-// (cell_pos, cell_owners, cell_of) and the pending-change list (a superset of the cells whose
-// (pos, owners) changed since the last acknowledge) for the cell layout; the visible row range and
-// the pending fork copies for the sequence layout.
+// visibility over [0, read_len), visible() on random rows, and per layout: for the cell layout the
+// cell metadata (cell_pos, cell_owners, cell_of) and the position table as a device would hold it
+// (a copy that only ever received the pending table writes, each listed once, must map every
+// owner's position to the oracle's row; the live pages stay within their bound); for the sequence
+// layout the visible row range and the pending fork copies.
 //
 // A mismatch is returned as a message (operation number, operation, expected vs got, the last
 // few operations); the driver never aborts, so the caller can print its seed.
@@ -139,6 +140,8 @@ struct DriverStats {
   std::int64_t max_read_len = 0;
   std::int32_t max_owners = 0;  // most owners one row had (cell layout: > 1 after a fork)
   std::int32_t max_live = 0;
+  std::int32_t max_pages = 0;   // most position-table pages in use (cell layout)
+  std::int32_t max_seq_len = 0;  // longest sequence, in positions
 
   [[nodiscard]] std::int64_t count(Errc e) const { return codes[static_cast<std::size_t>(e)]; }
   [[nodiscard]] std::int64_t total_ops() const {
@@ -154,6 +157,8 @@ struct DriverStats {
     max_read_len = std::max(max_read_len, o.max_read_len);
     max_owners = std::max(max_owners, o.max_owners);
     max_live = std::max(max_live, o.max_live);
+    max_pages = std::max(max_pages, o.max_pages);
+    max_seq_len = std::max(max_seq_len, o.max_seq_len);
   }
 };
 
@@ -178,7 +183,7 @@ class OpDriver {
 
   explicit OpDriver(const CacheConfig& config, const OpMix& mix = {})
       : config_(config), mix_(mix), cache_(config), model_(oracle_config(config)) {
-    take_snapshot();
+    if constexpr (kCellLayout) device_table_.assign(cache_.table().flat().size(), -1);
   }
 
   // One random operation on both; "" when they agree, else a description of the mismatch.
@@ -415,13 +420,13 @@ class OpDriver {
   bool op_acknowledge() {
     desc_ = "acknowledge_changes()";
     ++stats_.ops[static_cast<std::size_t>(OpKind::acknowledge)];
+    if constexpr (kCellLayout) device_table_ = with_pending_writes();  // what an upload writes
     cache_.acknowledge_changes();
     model_.acknowledge();
-    take_snapshot();
     const PendingChanges p = cache_.pending_changes();
-    if (!p.cells.empty() || !p.copies.empty())
-      return fail("pending_changes after acknowledge", "nothing", std::to_string(p.cells.size()) + " cells, " +
-                                                                      std::to_string(p.copies.size()) + " copies");
+    if (!p.table.indices.empty() || !p.copies.empty())
+      return fail("pending_changes after acknowledge", "nothing",
+                  std::to_string(p.table.indices.size()) + " table entries, " + std::to_string(p.copies.size()) + " copies");
     return true;
   }
 
@@ -473,6 +478,7 @@ class OpDriver {
 
   bool check_state(Entropy& e) {
     stats_.max_live = std::max(stats_.max_live, static_cast<std::int32_t>(model_.live().size()));
+    for (const std::int32_t id : model_.live()) stats_.max_seq_len = std::max(stats_.max_seq_len, model_.length(id));
     if (cache_.capacity() != model_.capacity()) return fail("capacity()", model_.capacity(), cache_.capacity());
     if (cache_.free_cells() != model_.free_cells()) return fail("free_cells()", model_.free_cells(), cache_.free_cells());
     if (cache_.used_end() != model_.read_len()) return fail("used_end()", model_.read_len(), cache_.used_end());
@@ -578,12 +584,16 @@ class OpDriver {
     return cells;
   }
 
-  void take_snapshot() {
-    if constexpr (kCellLayout) snapshot_ = current_cells();
-  }
-
   static std::string cell_str(const CellState& c) {
     return "(pos " + std::to_string(c.pos) + ", owners " + list_str(c.owners) + ")";
+  }
+
+  // The device copy of the position table after an upload of the pending writes.
+  [[nodiscard]] std::vector<std::int32_t> with_pending_writes() const {
+    std::vector<std::int32_t> copy = device_table_;
+    const TableChanges t = cache_.pending_changes().table;
+    for (const std::int32_t i : t.indices) copy[static_cast<std::size_t>(i)] = t.values[static_cast<std::size_t>(i)];
+    return copy;
   }
 
   bool check_cells() {
@@ -610,20 +620,30 @@ class OpDriver {
 
     const PendingChanges p = cache_.pending_changes();
     if (!p.copies.empty()) return fail("pending_changes().copies (cell layout)", "none", copies_str({p.copies.begin(), p.copies.end()}));
-    std::vector<std::uint8_t> listed(now.size(), 0);
-    for (const std::int32_t c : p.cells) {
-      if (c < 0 || c >= n) return fail("pending_changes().cells", "cells in [0, " + std::to_string(n) + ")", c);
-      if (listed[static_cast<std::size_t>(c)]) return fail("pending_changes().cells", "each cell listed once", list_str(p.cells));
-      listed[static_cast<std::size_t>(c)] = 1;
+    return check_table(p.table);
+  }
+
+  // The position table as the device holds it: the acknowledged copy plus the pending writes
+  // (each listed once) maps every owner's position to the oracle's row, and the live pages stay
+  // within ceil(cells in use / 64) + 2 live sequences.
+  bool check_table(const TableChanges& t) {
+    const PositionTable& table = cache_.table();
+    std::vector<std::uint8_t> listed(device_table_.size(), 0);
+    for (const std::int32_t i : t.indices) {
+      if (i < 0 || static_cast<std::size_t>(i) >= listed.size())
+        return fail("pending table entry", "in [0, " + std::to_string(listed.size()) + ")", i);
+      if (listed[static_cast<std::size_t>(i)]++ != 0) return fail("pending table entries", "each listed once", i);
     }
-    for (std::int32_t c = 0; c < n; ++c) {
-      const auto i = static_cast<std::size_t>(c);
-      if (now[i] != snapshot_[i] && !listed[i])
-        return fail("pending_changes().cells " + list_str(p.cells),
-                    "cell " + std::to_string(c) + " listed: it went " + cell_str(snapshot_[i]) + " -> " + cell_str(now[i]) +
-                        " since the last acknowledge",
-                    "not listed");
-    }
+    const std::vector<std::int32_t> device = with_pending_writes();
+    const PositionTableView view{device.data(), device.data() + table.directory_entries(), table.dir_stride()};
+    for (const oracle::Entry& en : model_.entries())
+      for (const std::int32_t s : en.owners)
+        if (view.cell(s, en.pos) != en.row)
+          return fail("device table (" + std::to_string(s) + ", " + std::to_string(en.pos) + ")", en.row, view.cell(s, en.pos));
+    const auto cells_in_use = static_cast<std::int32_t>(model_.entries().size());
+    const std::int32_t bound = PositionTable::pages_for(cells_in_use) + 2 * static_cast<std::int32_t>(model_.live().size());
+    if (table.pages_in_use() > bound) return fail("pages in use", "<= " + std::to_string(bound), table.pages_in_use());
+    stats_.max_pages = std::max(stats_.max_pages, table.pages_in_use());
     return true;
   }
 
@@ -636,7 +656,7 @@ class OpDriver {
 
   bool check_copies() {
     const PendingChanges p = cache_.pending_changes();
-    if (!p.cells.empty()) return fail("pending_changes().cells (sequence layout)", "none", list_str(p.cells));
+    if (!p.table.indices.empty()) return fail("pending_changes().table (sequence layout)", "none", list_str(p.table.indices));
     const std::vector<RowCopy> got(p.copies.begin(), p.copies.end());
     if (got != model_.copies()) return fail("pending_changes().copies", copies_str(model_.copies()), copies_str(got));
     return true;
@@ -686,7 +706,7 @@ class OpDriver {
   std::vector<std::int64_t> step_rows_;
   std::int64_t step_read_len_ = 0;
 
-  std::vector<CellState> snapshot_;  // cell layout: each cell at the last acknowledge
+  std::vector<std::int32_t> device_table_;  // cell layout: the table as acknowledged uploads left it
 };
 
 }  // namespace cellkv::test

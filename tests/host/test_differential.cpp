@@ -178,6 +178,23 @@ TEST_CASE("differential: wide pools and many sequences") {
   CHECK(slots.count(Errc::no_free_sequence) > 0);
 }
 
+// Sequences several position-table pages long (64 positions each): forks share full pages and
+// copy a partial one, rewinds inside a shared page copy it first, removals free pages that
+// refilled holes then reuse. The device copy of the table is checked after every operation.
+TEST_CASE("differential: position tables over several pages, with forks and rewinds") {
+  constexpr test::OpMix kForks{.declare_step = 500, .seq_new = 40, .seq_clone = 120, .seq_rm = 60, .rewind = 120,
+                               .query = 20, .acknowledge = 100, .copy = 5, .clear = 2};
+  constexpr Sizes kLong{.write_lo = 24, .write_hi = 64, .cells_lo = 300, .cells_hi = 700, .seqs_lo = 2, .seqs_hi = 6};
+  DriverStats s;
+  s.add(differential<CellCache<layout::cell, Windows<0, 70>, placement::lowest_free, 8>>(61, 4, 2000, kLong, kForks));
+  s.add(differential<CellCache<layout::cell, Windows<0>, placement::clustered<64>, 8>>(62, 4, 2000, kLong, kForks));
+  MESSAGE("multi-page tables: ", s.total_ops(), " operations, up to ", s.max_pages, " pages, longest sequence ",
+          s.max_seq_len);
+  CHECK(s.max_seq_len > 3 * kPagePositions);
+  CHECK(s.max_owners >= 3);
+  CHECK(s.count(Errc::out_of_cells) > 0);
+}
+
 // Pools smaller than a block or a step: max_cells 1..12 (clustered<8> then has at most one full
 // block and a partial tail), max_len 1..3.
 TEST_CASE("differential: tiny pools") {

@@ -3,6 +3,11 @@
 // each token takes the lowest free cell, in token order).
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <set>
+#include <span>
+#include <vector>
+
 #include "cellkv/cell_cache.hpp"
 #include "support.hpp"
 
@@ -206,7 +211,7 @@ TEST_CASE("clear returns everything") {
   CHECK(cache.used_end() == 0);
   CHECK(cache.live_count() == 0);
   CHECK_FALSE(cache.step_placed());
-  CHECK(cache.pending_changes().cells.size() == 5);  // every cell that was held changed
+  CHECK(cache.table().pages_in_use() == 0);  // every page of the position table is free
   for (std::int32_t c = 0; c < 16; ++c) {
     CHECK(cache.cell_pos(c) == -1);
     CHECK(cache.cell_owners(c).empty());
@@ -216,18 +221,39 @@ TEST_CASE("clear returns everything") {
   CHECK(step_rows(cache) == Rows{0});
 }
 
-TEST_CASE("cell layout: pending changes list each changed cell once until acknowledged") {
+TEST_CASE("cell layout: pending table changes bring a copy of the position table up to date") {
   auto cache = make_cells();
+  // A device-side copy that only ever receives the pending writes.
+  std::vector<std::int32_t> copy(cache.table().flat().size(), -7);
+  auto sync = [&] {
+    const TableChanges t = cache.pending_changes().table;
+    std::set<std::int32_t> seen(t.indices.begin(), t.indices.end());
+    CHECK(seen.size() == t.indices.size());  // each entry listed once
+    for (const std::int32_t i : t.indices) copy[static_cast<std::size_t>(i)] = t.values[static_cast<std::size_t>(i)];
+    cache.acknowledge_changes();
+    CHECK(cache.pending_changes().table.indices.empty());
+  };
+  auto copy_agrees = [&](std::int32_t seq) {
+    const PositionTableView view{copy.data(), copy.data() + cache.table().directory_entries(), cache.table().dir_stride()};
+    for (std::int32_t p = 0; p < cache.pos(seq).value(); ++p)
+      if (view.cell(seq, p) != cache.cell_of(seq, p)) return false;
+    return true;
+  };
   const auto a = cache.seq_new().value();
   REQUIRE(declare(cache, {a, a, a}).ok());
-  auto cells = cache.pending_changes().cells;
-  CHECK(std::vector<std::int32_t>(cells.begin(), cells.end()) == std::vector<std::int32_t>{0, 1, 2});
-  cache.acknowledge_changes();
-  CHECK(cache.pending_changes().cells.empty());
-  REQUIRE(cache.seq_clone(a, 2).ok());  // owners of 0, 1 change
-  REQUIRE(cache.rewind(a, 1).ok());     // 1 loses an owner, 2 is freed
-  cells = cache.pending_changes().cells;
-  CHECK(std::vector<std::int32_t>(cells.begin(), cells.end()) == std::vector<std::int32_t>{0, 1, 2});
+  CHECK(cache.pending_changes().table.indices.size() == 4);  // a directory entry and three cells
+  sync();
+  CHECK(copy_agrees(a));
+  const auto b = cache.seq_clone(a, 2).value();  // a partial page: b gets its own copy of 2 entries
+  REQUIRE(cache.rewind(a, 1).ok());              // a's page is private: truncated in place, no write
+  CHECK(cache.pending_changes().table.indices.size() == 3);
+  sync();
+  CHECK(copy_agrees(a));
+  CHECK(copy_agrees(b));
+  REQUIRE(declare(cache, {b, a, b}).ok());
+  sync();
+  CHECK(copy_agrees(a));
+  CHECK(copy_agrees(b));
 }
 
 TEST_CASE("a verb or a new declaration invalidates a placed step") {
@@ -302,10 +328,12 @@ TEST_CASE("a placed step splits into segments: runs of consecutive tokens of one
   const auto b = cache.seq_new().value();
   REQUIRE(declare(cache, {a, a}).ok());
   REQUIRE(declare(cache, {a, a, a, b, b, a}).ok());
-  std::vector<Segment> segments(8);
-  const std::int32_t n = split_segments(cache.step(), segments);
-  REQUIRE(n == 3);
+  const std::span<const Segment> segments = cache.step().segments;
+  REQUIRE(segments.size() == 3);
   CHECK(segments[0] == Segment{a, 0, 3, 2});  // a's tokens 0..2 at positions 2..4
   CHECK(segments[1] == Segment{b, 3, 2, 0});
   CHECK(segments[2] == Segment{a, 5, 1, 5});  // a again: a new segment, next position
+  std::vector<Segment> again(8);
+  REQUIRE(split_segments(cache.step().seqs, cache.step().positions, again) == 3);
+  CHECK(std::equal(segments.begin(), segments.end(), again.begin()));
 }

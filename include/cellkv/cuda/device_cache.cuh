@@ -3,7 +3,7 @@
 //
 // Step protocol (DESIGN.md section 4) on the caller's stream:
 //   cache.declare_step(seq_ids);                  // host: admission + placement
-//   cache.upload(stream);                         // step data, changed metadata, masks or ranges
+//   cache.upload(stream);                         // step data, position-table writes, masks or ranges
 //   for each layer l: cache.update_and_attend(l, q, k, v, out, T, H_q, scale, stream);
 //   cache.commit(stream);                         // records the step's event
 // A forward captured into a CUDA graph reads only the fixed buffers, so a graph captured once
@@ -33,7 +33,6 @@ class DeviceCache {
   using Host = typename Shard::Host;
   using Element = T;
   using Windows = W;
-  static constexpr std::int32_t kWords = Shard::kWords;
 
   // Throws std::invalid_argument on a bad config or shape, cellkv::gpu::Error on a CUDA failure.
   DeviceCache(const CacheConfig& config, PoolShape shape) : host_(config), shard_(host_, shape) {}
@@ -57,11 +56,10 @@ class DeviceCache {
   [[nodiscard]] const bool* mask(std::int32_t buffer) const noexcept { return shard_.mask(buffer); }
   // Width of the uploaded step (tokens + padding), 0 when no step is uploaded.
   [[nodiscard]] std::int32_t width() const noexcept { return shard_.width(); }
-  // True when attend runs the fast path (tile lists, tensor cores) rather than the reference.
+  // True when attend runs the table kernels (tensor cores, position ranges) rather than the reference.
   [[nodiscard]] bool fast() const noexcept { return shard_.fast(); }
   // Picks the kernels of later uploads and forwards (applies from the next upload).
   void use_kernels(KernelChoice choice) noexcept { shard_.use_kernels(choice); }
-  [[nodiscard]] const auto& fast_path() const noexcept { return shard_.fast_path(); }
 
   // Uploads the placed step padded to `width` tokens (0: exactly T); see DeviceShard::upload.
   // Refuses when no step is placed or width is outside [T, max_write].

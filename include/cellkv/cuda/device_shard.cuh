@@ -1,10 +1,12 @@
 // cellkv/cuda/device_shard.cuh - the device half of a cache on one GPU: the KV pool of its heads
-// for every layer, the step buffers at fixed addresses and the fast path, fed by a host CellCache
-// that plans each step (owned elsewhere: DeviceCache for one GPU, ShardedCache for several).
+// for every layer, the step buffers at fixed addresses (with the position table's device copy)
+// and the attention kernels, fed by a host CellCache that plans each step (owned elsewhere:
+// DeviceCache for one GPU, ShardedCache for several).
 //
-// A shard never changes the host cache: upload reads the placed step and the pending changes, and
-// the owner acknowledges those once every shard has uploaded them. Shards of one host cache may
-// upload concurrently from different threads (const reads of the host only).
+// A shard never changes the host cache: upload reads the placed step (StepPlan) and the pending
+// changes (PendingChanges) and nothing else, and the owner acknowledges those once every shard has
+// uploaded them. Shards of one host cache may upload concurrently from different threads (const
+// reads of the host only).
 //
 // Every call runs on the caller's current device, which must be the shard's device.
 #pragma once
@@ -13,55 +15,57 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
 #include <span>
 #include <stdexcept>
 #include <type_traits>
-#include <vector>
 
+#include "cellkv/attention_plan.hpp"
 #include "cellkv/cell_cache.hpp"
-#include "cellkv/cuda/fast_path.cuh"
-#include "cellkv/cuda/kernels/step_prep.cuh"
+#include "cellkv/cuda/kernels/tile_rows.cuh"
 #include "cellkv/cuda/kv_pool.hpp"
-#include "cellkv/cuda/ops.cuh"
+#include "cellkv/cuda/launch/ops.cuh"
+#include "cellkv/cuda/launch/step.cuh"
+#include "cellkv/cuda/launch/table_attention.cuh"
 #include "cellkv/cuda/step_buffers.hpp"
 
 namespace cellkv::gpu {
 
-// Which attention kernels a cache runs: the fast path where it applies (automatic), or always
+// Which attention kernels a cache runs: the table kernels where they apply (automatic), or always
 // the reference kernel (tests and comparisons).
 enum class KernelChoice : std::uint8_t { automatic, reference };
 
 // Whether upload builds the dense masks of the cell layout: only when the reference kernel will
 // read them (if_needed), always (a caller wants them), or never (attend then refuses on the
-// reference path).
+// reference path). The mask buffers are allocated by the first upload that builds them.
 enum class Masks : std::uint8_t { if_needed, always, skip };
 
 template <Layout L, Element T, WindowSet W, Placement P = placement::lowest_free, std::int32_t MaxSeqs = 256>
 class DeviceShard {
   static_assert(W::kDistinct <= kMaxWindows, "cellkv::gpu::DeviceShard: at most 8 distinct windows per model");
   static constexpr bool kCells = std::is_same_v<L, layout::cell>;
+  using Rows = std::conditional_t<kCells, kernels::TableRows, kernels::SlotRows>;
+  struct NoTableKernels {};  // fp32 storage: the reference kernel only
+  using TableKernels = std::conditional_t<kTableKernelElement<T>, TableAttention<T, Rows>, NoTableKernels>;
 
  public:
   using Host = CellCache<L, W, P, MaxSeqs>;
   using Element = T;
   using Windows = W;
-  static constexpr std::int32_t kWords = SeqSet<MaxSeqs>::kWords;
 
   // `host` must outlive the shard. shape: this shard's heads (H_kv and H_q of its slice).
   // Throws std::invalid_argument on a bad shape, cellkv::gpu::Error on a CUDA failure.
   DeviceShard(const Host& host, PoolShape shape)
-      : host_(host),
-        pool_(host.config(), shape),
-        buffers_(host.config().max_write, kCells ? host.config().max_cells : 0, W::kDistinct) {
+      : host_(host), pool_(host.config(), shape), buffers_(make_buffers(host, shape)) {
     if (shape.layers != W::kLayers)
       throw std::invalid_argument("cellkv::gpu::DeviceShard: the pool needs one layer per layer of the window set");
-    if (fast_path_supports<T>(shape.head_dim, shape.heads_q, shape.heads_kv))
-      fast_.emplace(FastShape{pool_.rows(), host.max_write(), W::kDistinct, shape.heads_q, shape.heads_kv,
-                              shape.head_dim, kCells ? 0 : host.config().max_len},
-                    window_list());
+    if (kCells) buffers_.bindings().max_cells = host.config().max_cells;
+    if constexpr (kTableKernelElement<T>)
+      if (table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv))
+        table_.emplace(TableShape{shape.heads_q, shape.heads_kv, shape.head_dim});
   }
   DeviceShard(const DeviceShard&) = delete;
   DeviceShard& operator=(const DeviceShard&) = delete;
@@ -72,47 +76,58 @@ class DeviceShard {
 
   [[nodiscard]] const KVPool<L, T>& pool() const noexcept { return pool_; }
   [[nodiscard]] const StepBindings& bindings() const noexcept { return buffers_.bindings(); }
-  // Device mask of window buffer b (cell layout): [max_write, max_cells] bool, row stride max_cells.
-  [[nodiscard]] const bool* mask(std::int32_t buffer) const noexcept { return bindings().mask(buffer); }
+  // Device mask of window buffer b (cell layout): [max_write, max_cells] bool, row stride max_cells;
+  // nullptr until an upload built masks.
+  [[nodiscard]] const bool* mask(std::int32_t buffer) const noexcept {
+    return bindings().masks == nullptr ? nullptr : bindings().mask(buffer);
+  }
   // Width of the uploaded step (tokens + padding), 0 when no step is uploaded.
   [[nodiscard]] std::int32_t width() const noexcept { return ready() ? width_ : 0; }
-  // True when attend runs the fast path (tile lists, tensor cores) rather than the reference.
-  [[nodiscard]] bool fast() const noexcept { return fast_.has_value() && choice_ == KernelChoice::automatic; }
+  // True when attend runs the table kernels (tensor cores, position ranges) rather than the reference.
+  [[nodiscard]] bool fast() const noexcept { return table_.has_value() && choice_ == KernelChoice::automatic; }
   // Picks the kernels of later uploads and forwards (applies from the next upload).
   void use_kernels(KernelChoice choice) noexcept { choice_ = choice; }
-  [[nodiscard]] const std::optional<FastPath<T, kWords, kCells>>& fast_path() const noexcept { return fast_; }
+  // Bytes of the step block the kernels read (the table writes staged behind them excluded).
+  [[nodiscard]] std::size_t step_block_bytes() const noexcept { return buffers_.layout().table_writes; }
   // Serial of the last step this shard uploaded (0: none).
   [[nodiscard]] std::uint64_t uploaded_serial() const noexcept { return uploaded_serial_; }
+  // Decode segments and prefill items of window buffer b in the uploaded step (table kernels).
+  [[nodiscard]] WorkCounts work_counts(std::int32_t buffer) const noexcept { return counts_[static_cast<std::size_t>(buffer)]; }
 
-  // Uploads the host's placed step padded to `width` tokens (0: exactly T), runs the fork copies
-  // and metadata changes not yet acknowledged, plans the fast path (tile lists, work items) when it
-  // applies, and builds the dense masks (cell layout, per `masks`) or row ranges (sequence
-  // layout). Refuses when no step is placed or width is outside [T, max_write].
+  // Uploads the host's placed step padded to `width` tokens (0: exactly T): runs the fork copies
+  // (sequence layout), writes the pending position-table entries (cell layout), copies the step
+  // block (tokens, segments, every window's work; row ranges for the sequence layout's reference
+  // kernel) and builds the dense masks (cell layout, per `masks`). Refuses when no step is placed
+  // or width is outside [T, max_write].
   Status upload(::cuda::stream_ref stream, std::int32_t width = 0, Masks masks = Masks::if_needed) {
     if (const Status s = check_upload(width); !s.ok()) return s;
     const StepPlan plan = host_.step();
     if (width == 0) width = plan.tokens;
     if (const Status s = last_.wait_on(stream); !s.ok()) return s;
-    StepStaging<kWords>& slot = buffers_.next_slot();
-    if (const Status s = slot.done.synchronize(); !s.ok()) return s;
     if (const Status s = run_copies(stream); !s.ok()) return s;
+    const TableChanges changes = host_.pending_changes().table;
+    std::size_t first = 0;  // table writes beyond one block's room go first, in batches
+    const auto room = static_cast<std::size_t>(buffers_.shape().max_table_writes);
+    for (; changes.indices.size() - first > room; first += room)
+      if (const Status s = send_table_writes(changes, first, room, stream); !s.ok()) return s;
+    StepBuffers::Slot& slot = buffers_.next_slot();
+    if (const Status s = slot.done.synchronize(); !s.ok()) return s;
     fill_block(slot.block.data(), plan, width);
-    const MirrorUpload changed = stage_mirror(slot);
-    CELLKV_CUDA_STATUS(cudaMemcpyAsync(buffers_.device_block(), slot.block.data(),
-                                       buffers_.upload_bytes(changed.entries, changed.groups), cudaMemcpyHostToDevice,
-                                       stream.get()));
-    const bool fill_masks = kCells && (masks == Masks::always || (masks == Masks::if_needed && !fast()));
-    if constexpr (kCells) {
-      if (const Status s = scatter_mirror(changed, stream); !s.ok()) return s;
-      if (fill_masks)
-        if (const Status s = launch_masks(plan.read_len, width, stream); !s.ok()) return s;
-    }
-    if (fast())
-      if (const Status s = fast_->plan(bindings(), segments_, stream); !s.ok()) return s;
+    const std::size_t writes = stage_table_writes(slot, changes, first, changes.indices.size() - first);
+    CELLKV_CUDA_STATUS(cudaMemcpyAsync(buffers_.device_block(), slot.block.data(), buffers_.upload_bytes(writes),
+                                       cudaMemcpyHostToDevice, stream.get()));
     if (const Status s = slot.done.record(stream); !s.ok()) return s;
+    if (const Status s = write_table(buffers_.device_table_writes(), static_cast<std::int32_t>(writes),
+                                     bindings().table_flat, stream);
+        !s.ok())
+      return s;
+    const bool fill_masks = kCells && (masks == Masks::always || (masks == Masks::if_needed && !fast()));
+    if (fill_masks)
+      if (const Status s = make_masks(plan.read_len, width, stream); !s.ok()) return s;
     if (const Status s = last_.record(stream); !s.ok()) return s;
     uploaded_serial_ = plan.serial;
     width_ = width;
+    tokens_ = plan.tokens;
     masks_filled_ = fill_masks;
     uploaded_fast_ = fast();
     return {};
@@ -165,6 +180,19 @@ class DeviceShard {
   }
 
  private:
+  static StepBuffers make_buffers(const Host& host, const PoolShape& shape) {
+    const CacheConfig& c = host.config();
+    const std::int32_t group = shape.heads_q > 0 && shape.heads_kv > 0 ? std::max(1, shape.heads_q / shape.heads_kv) : 1;
+    StepBlockShape s{c.max_write, W::kDistinct, max_prefill_items(c.max_write, group), !kCells, 0};
+    if constexpr (kCells) {
+      const PositionTable& t = host.table();
+      s.max_table_writes = std::max(4 * c.max_write, 4096);
+      return StepBuffers(s, static_cast<std::int64_t>(t.flat().size()), t.directory_entries(), t.dir_stride());
+    } else {
+      return StepBuffers(s, 0, 0, 0);
+    }
+  }
+
   [[nodiscard]] bool ready() const noexcept {
     return host_.step_placed() && uploaded_serial_ == host_.step_serial() && committed_serial_ != uploaded_serial_;
   }
@@ -190,11 +218,23 @@ class DeviceShard {
     return {p.k, p.v, p.rows, p.heads_kv, p.head_dim};
   }
 
+  [[nodiscard]] AttentionShape plan_shape() const noexcept {
+    if constexpr (kTableKernelElement<T>) return table_->plan_shape();
+    else return {};
+  }
+
+  [[nodiscard]] Rows rows() const noexcept {
+    if constexpr (kCells) return Rows{bindings().table};
+    else return Rows{host_.config().max_len};
+  }
+
   Status attend_buffer(std::int32_t buffer, std::int32_t layer, const T* q, T* out, std::int32_t tokens,
                        std::int32_t heads_q, float scale, ::cuda::stream_ref stream) const {
-    if (uploaded_fast_)
-      return fast_->attend(buffer, W::kDistinctWindows[static_cast<std::size_t>(buffer)], q, out, const_view(layer),
-                           bindings(), tokens, scale, stream);
+    if constexpr (kTableKernelElement<T>)
+      if (uploaded_fast_)
+        return table_->attend(buffer, W::kDistinctWindows[static_cast<std::size_t>(buffer)], q, out, const_view(layer),
+                              rows(), bindings(), tokens_, tokens, counts_[static_cast<std::size_t>(buffer)], scale,
+                              stream);
     const AttentionArgs<T> a{q, const_view(layer), out, tokens, heads_q, scale};
     if constexpr (kCells) return masked_sdpa<T>(a, mask(buffer), bindings().max_cells, bindings().read_len, stream);
     else return range_sdpa<T>(a, bindings().ranges_of(buffer), bindings().read_len, stream);
@@ -209,69 +249,57 @@ class DeviceShard {
     return {};
   }
 
-  // Staging image of the step block: real tokens, then padding (scratch row, sequence -1), and
-  // the step's segments.
+  // Staging image of the step block: real tokens, then padding (scratch row, sequence -1); the
+  // segments; every window's work (table kernels) or row ranges (the sequence layout's reference).
   void fill_block(std::byte* block, const StepPlan& plan, std::int32_t width) {
     const StepBlockLayout& lay = buffers_.layout();
-    auto* segments = reinterpret_cast<Segment*>(block + lay.segments);
-    segments_ = split_segments(plan, std::span<Segment>(segments, static_cast<std::size_t>(host_.max_write())));
-    *reinterpret_cast<std::int32_t*>(block + lay.num_segments) = segments_;
-    *reinterpret_cast<std::int32_t*>(block + lay.tokens) = plan.tokens;
+    const auto segments = static_cast<std::int32_t>(plan.segments.size());
+    std::memcpy(block + lay.segments, plan.segments.data(), plan.segments.size_bytes());
+    std::memcpy(block + lay.num_segments, &segments, 4);
+    std::memcpy(block + lay.tokens, &plan.tokens, 4);
+    std::memcpy(block + lay.read_len, &plan.read_len, 8);
     auto* cells = reinterpret_cast<std::int64_t*>(block + lay.cells);
     auto* seq = reinterpret_cast<std::int32_t*>(block + lay.token_seq);
     auto* pos = reinterpret_cast<std::int32_t*>(block + lay.token_pos);
-    *reinterpret_cast<std::int64_t*>(block + lay.read_len) = plan.read_len;
-    for (std::int32_t t = 0; t < width; ++t) {
-      const bool real = t < plan.tokens;
-      const auto i = static_cast<std::size_t>(t);
-      cells[t] = real ? plan.rows[i] : pool_.scratch_row();
-      seq[t] = real ? plan.seqs[i] : -1;
-      pos[t] = real ? plan.positions[i] : 0;
-    }
-    if constexpr (!kCells) {
-      auto* ranges = reinterpret_cast<RowRange*>(block + lay.ranges);
-      for (std::int32_t b = 0; b < W::kDistinct; ++b)
-        for (std::int32_t t = 0; t < width; ++t)
-          ranges[b * host_.max_write() + t] =
-              t < plan.tokens ? host_.visible_range(t, W::kDistinctWindows[static_cast<std::size_t>(b)]) : RowRange{};
-    }
-  }
-
-  struct MirrorUpload {
-    std::size_t entries = 0, groups = 0;
-  };
-
-  // Changed cells (cell layout) -> mirror entries in staging after the step block, sorted by cell,
-  // then one TileGroup per touched tile.
-  MirrorUpload stage_mirror(StepStaging<kWords>& slot) {
-    if constexpr (!kCells) {
-      (void)slot;
-      return {};
-    } else {
-      const auto changed = host_.pending_changes().cells;
-      sorted_.assign(changed.begin(), changed.end());
-      std::sort(sorted_.begin(), sorted_.end());
-      auto* groups = reinterpret_cast<TileGroup*>(slot.entries + sorted_.size());
-      std::size_t g = 0;
-      for (std::size_t i = 0; i < sorted_.size(); ++i) {
-        const std::int32_t c = sorted_[i];
-        slot.entries[i].cell = c;
-        slot.entries[i].pos = host_.cell_pos(c);
-        for (std::int32_t w = 0; w < kWords; ++w) slot.entries[i].owners[w] = host_.cell_owners(c).word_at(w);
-        if (g > 0 && groups[g - 1].tile == c / kTileRows) ++groups[g - 1].count;
-        else groups[g++] = TileGroup{c / kTileRows, static_cast<std::int32_t>(i), 1};
+    const auto T_tokens = static_cast<std::size_t>(plan.tokens);
+    std::copy_n(plan.rows.data(), T_tokens, cells);
+    std::copy_n(plan.seqs.data(), T_tokens, seq);
+    std::copy_n(plan.positions.data(), T_tokens, pos);
+    for (std::int32_t t = plan.tokens; t < width; ++t) cells[t] = pool_.scratch_row(), seq[t] = -1, pos[t] = 0;
+    for (std::int32_t b = 0; b < W::kDistinct; ++b) {
+      const std::int32_t window = W::kDistinctWindows[static_cast<std::size_t>(b)];
+      if (fast()) {
+        const WindowWork work = lay.work_at(block, b, host_.max_write());
+        plan_window(plan.segments, window, plan_shape(), work);
+        counts_[static_cast<std::size_t>(b)] = WorkCounts{work.decode_count(), work.prefill_count()};
+      } else if constexpr (!kCells) {
+        auto* ranges = reinterpret_cast<RowRange*>(block + lay.ranges) + b * host_.max_write();
+        for (std::int32_t t = 0; t < width; ++t) ranges[t] = t < plan.tokens ? host_.visible_range(t, window) : RowRange{};
       }
-      return {sorted_.size(), g};
     }
   }
 
-  // The uploaded entries -> the device mirror and the touched tiles' stats.
-  Status scatter_mirror(const MirrorUpload& m, ::cuda::stream_ref stream) const {
-    if (m.entries == 0) return {};
-    kernels::scatter_tiles<kWords><<<static_cast<unsigned>((m.groups + 7) / 8), 256, 0, stream.get()>>>(
-        buffers_.device_entries(), static_cast<std::int32_t>(m.entries), static_cast<std::int32_t>(m.groups),
-        bindings().tiles);
-    return detail::last_launch();
+  // Table writes [first, first + count) of `changes` into a staging slot; returns count.
+  std::size_t stage_table_writes(const StepBuffers::Slot& slot, const TableChanges& changes, std::size_t first,
+                                 std::size_t count) const {
+    TableWrite* out = slot.table_writes(buffers_.layout());
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::int32_t index = changes.indices[first + i];
+      out[i] = TableWrite{index, changes.values[static_cast<std::size_t>(index)]};
+    }
+    return count;
+  }
+
+  // One batch of table writes ahead of the step block (a verb-heavy gap between steps).
+  Status send_table_writes(const TableChanges& changes, std::size_t first, std::size_t count, ::cuda::stream_ref stream) {
+    StepBuffers::Slot& slot = buffers_.next_slot();
+    if (const Status s = slot.done.synchronize(); !s.ok()) return s;
+    stage_table_writes(slot, changes, first, count);
+    const std::size_t at = buffers_.layout().table_writes;
+    CELLKV_CUDA_STATUS(cudaMemcpyAsync(buffers_.device_block() + at, slot.block.data() + at, sizeof(TableWrite) * count,
+                                       cudaMemcpyHostToDevice, stream.get()));
+    if (const Status s = slot.done.record(stream); !s.ok()) return s;
+    return write_table(buffers_.device_table_writes(), static_cast<std::int32_t>(count), bindings().table_flat, stream);
   }
 
   static WindowList window_list() {
@@ -280,30 +308,33 @@ class DeviceShard {
     return windows;
   }
 
-  Status launch_masks(std::int64_t read_len, std::int32_t width, ::cuda::stream_ref stream) const {
-    if (read_len == 0) return {};
-    const WindowList windows = window_list();
-    const auto chunks = static_cast<unsigned>(std::min<std::int64_t>((read_len + 16 * 256 - 1) / (16 * 256), 64));
-    const dim3 grid(chunks, static_cast<unsigned>(width), static_cast<unsigned>(W::kDistinct));
-    if (bindings().max_cells % 16 == 0)
-      kernels::build_masks<true><<<grid, 256, 0, stream.get()>>>(bindings(), windows, read_len);
-    else
-      kernels::build_masks<false><<<grid, 256, 0, stream.get()>>>(bindings(), windows, read_len);
-    return detail::last_launch();
+  // The dense masks, allocated by the first upload that builds them.
+  Status make_masks(std::int64_t read_len, std::int32_t width, ::cuda::stream_ref stream) {
+    if (masks_.size() == 0) {
+      try {
+        masks_ = DeviceBuffer<bool>(static_cast<std::size_t>(W::kDistinct) * static_cast<std::size_t>(host_.max_write()) *
+                                    static_cast<std::size_t>(host_.config().max_cells));
+      } catch (const Error&) {
+        return Errc::device_error;
+      }
+      buffers_.bindings().masks = masks_.data();
+    }
+    return build_masks(bindings(), window_list(), width, read_len, stream);
   }
 
   const Host& host_;
   KVPool<L, T> pool_;
-  StepBuffers<kWords> buffers_;
-  std::optional<FastPath<T, kWords, kCells>> fast_;
+  StepBuffers buffers_;
+  DeviceBuffer<bool> masks_;
+  std::optional<TableKernels> table_;
+  std::array<WorkCounts, kMaxWindows> counts_{};  // work of each window in the uploaded step
   KernelChoice choice_ = KernelChoice::automatic;
-  std::int32_t segments_ = 0;        // segments of the uploaded step
-  std::vector<std::int32_t> sorted_;  // staging scratch: changed cells, sorted
   bool uploaded_fast_ = false;
   Event last_;  // the last upload or commit: the next upload waits on it
   std::uint64_t uploaded_serial_ = 0;
   std::uint64_t committed_serial_ = 0;
   std::int32_t width_ = 0;
+  std::int32_t tokens_ = 0;
   bool masks_filled_ = false;
 };
 

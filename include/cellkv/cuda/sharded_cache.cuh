@@ -1,8 +1,8 @@
 // cellkv/cuda/sharded_cache.cuh - the cache of a tensor-parallel model: one host CellCache plans
 // every step once, and G DeviceShards, one per GPU, hold the KV heads of their slice
 // (cellkv/sharding.hpp: shard g holds KV heads [g H_kv / G, (g + 1) H_kv / G) and the query heads
-// that read them). Every shard receives the same step: the same rows, positions, segments, masks
-// or ranges and metadata mirror, so no shard's bookkeeping can drift from another's.
+// that read them). Every shard receives the same step: the same rows, positions, segments, work,
+// position-table writes, masks or ranges, so no shard's bookkeeping can drift from another's.
 //
 // Step protocol, with stream g belonging to device g:
 //   cache.declare_step(seq_ids);                        // host, once

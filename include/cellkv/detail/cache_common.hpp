@@ -1,18 +1,19 @@
 // cellkv/detail/cache_common.hpp - the step protocol and verbs shared by both layouts.
 //
 // `CacheCommon<Derived, W, MaxSeqs>` owns the sequence table (live ids and each sequence's length,
-// i.e. pos(s)) and the placed step; the layout (Derived) decides where rows live through five hooks:
+// i.e. pos(s)) and the placed step; the layout (Derived) decides where rows live through these hooks:
 //
 //   Status  room_for_step(span<const int32_t> seqs, span<const int32_t> count_per_seq)
 //   int64_t claim_row(int32_t seq, int32_t pos)            // a fresh row for (seq, pos)
 //   void    truncate_rows(int32_t seq, int32_t keep)       // release positions >= keep of seq
 //   void    share_prefix(int32_t src, int32_t dst, int32_t upto)  // dst gets src's positions < upto
+//   void    on_seq_created(int32_t seq)                    // a fresh id, before share_prefix
 //   int64_t occupied_end()                                 // 1 + highest occupied row, 0 if none
 //   void    clear_rows()                                   // release everything
 //   void    for_each_visible_row(int32_t seq, int32_t lo_pos, int32_t hi_pos, F f)
 //   int32_t row_pos(int64_t row), bool row_owned_by(int64_t row, int32_t seq)
 //
-// Invariant (this verbs): sequence s holds exactly the positions [0, pos(s)).
+// Invariant: sequence s holds exactly the positions [0, pos(s)).
 #pragma once
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include "cellkv/seq_set.hpp"
 #include "cellkv/status.hpp"
 #include "cellkv/step_plan.hpp"
+#include "cellkv/visibility.hpp"
 #include "cellkv/windows.hpp"
 
 namespace cellkv::detail {
@@ -52,6 +54,9 @@ class CacheCommon {
       step_rows_[t] = self().claim_row(s, p);
     }
     step_tokens_ = T;
+    step_segment_count_ = split_segments(std::span<const std::int32_t>(step_seqs_.data(), static_cast<std::size_t>(T)),
+                                         std::span<const std::int32_t>(step_pos_.data(), static_cast<std::size_t>(T)),
+                                         step_segments_);
     read_len_ = self().occupied_end();
     placed_ = true;
     ++serial_;
@@ -61,9 +66,13 @@ class CacheCommon {
   // The placed step. Precondition: step_placed().
   [[nodiscard]] StepPlan step() const noexcept {
     const auto T = static_cast<std::size_t>(step_tokens_);
-    return StepPlan{step_tokens_, std::span<const std::int64_t>(step_rows_.data(), T),
+    return StepPlan{step_tokens_,
+                    std::span<const std::int64_t>(step_rows_.data(), T),
                     std::span<const std::int32_t>(step_seqs_.data(), T),
-                    std::span<const std::int32_t>(step_pos_.data(), T), read_len_, serial_};
+                    std::span<const std::int32_t>(step_pos_.data(), T),
+                    std::span<const Segment>(step_segments_.data(), static_cast<std::size_t>(step_segment_count_)),
+                    read_len_,
+                    serial_};
   }
   [[nodiscard]] bool step_placed() const noexcept { return placed_; }
   [[nodiscard]] std::uint64_t step_serial() const noexcept { return serial_; }
@@ -148,16 +157,16 @@ class CacheCommon {
   [[nodiscard]] bool visible(std::int32_t t, std::int64_t row, std::int32_t window) const {
     const std::int32_t s = step_seqs_[t], p = step_pos_[t];
     const std::int32_t rp = self().row_pos(row);
-    return rp >= 0 && self().row_owned_by(row, s) && rp <= p && within_window(window, p, rp);
+    return rp >= 0 && self().row_owned_by(row, s) && sees(window, p, rp);
   }
 
   // Mask row of token t for window `window` over columns [0, out.size()); out.size() >= read_len.
   // 1 = visible. Cost: O(out.size()) to clear plus O(visible rows).
   void mask_row(std::int32_t window, std::int32_t t, std::span<std::uint8_t> out) const {
     std::fill(out.begin(), out.end(), std::uint8_t{0});
-    const std::int32_t s = step_seqs_[t], p = step_pos_[t];
-    const std::int32_t lo = window == 0 ? 0 : std::max(0, p - window + 1);
-    self().for_each_visible_row(s, lo, p, [&](std::int64_t row) { out[static_cast<std::size_t>(row)] = 1; });
+    const PositionRange seen = visible_positions(window, step_pos_[t]);
+    self().for_each_visible_row(step_seqs_[t], seen.begin, seen.end,
+                                [&](std::int64_t row) { out[static_cast<std::size_t>(row)] = 1; });
   }
 
   // Validates sizes without building: the reason a config would be refused, or ok.
@@ -176,6 +185,7 @@ class CacheCommon {
     step_rows_.assign(w, 0);
     step_seqs_.assign(w, 0);
     step_pos_.assign(w, 0);
+    step_segments_.assign(w, Segment{});
     len_.assign(static_cast<std::size_t>(MaxSeqs), 0);
     step_count_.assign(static_cast<std::size_t>(MaxSeqs), 0);
   }
@@ -215,7 +225,9 @@ class CacheCommon {
   std::vector<std::int64_t> step_rows_;   // [max_write]
   std::vector<std::int32_t> step_seqs_;   // [max_write]
   std::vector<std::int32_t> step_pos_;    // [max_write]
+  std::vector<Segment> step_segments_;     // [max_write]
   std::int32_t step_tokens_ = 0;
+  std::int32_t step_segment_count_ = 0;
   std::int64_t read_len_ = 0;
   std::uint64_t serial_ = 0;
   bool placed_ = false;

@@ -1,8 +1,9 @@
 // cellkv/detail/cell_layout_cache.hpp - CellCache for layout::cell (include cellkv/cell_cache.hpp).
 //
-// Per cell: pos (int32, -1 = free) and owners (SeqSet). Per sequence: the cell of each position
-// (positions are [0, pos(s)), so a vector indexed by position). Free cells are a two-level bitmap,
-// so placement and every verb cost time proportional to the tokens or rows they touch.
+// Per cell: pos (int32, -1 = free) and owners (SeqSet). Per sequence: the cell of each position, in
+// a PositionTable (pages of positions shared between forks; the device keeps a copy of it, which
+// the attention kernels read). Free cells are a two-level bitmap, so placement and every verb cost
+// time proportional to the tokens or rows they touch.
 #pragma once
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include "cellkv/cell_cache.hpp"
 #include "cellkv/detail/bitmap.hpp"
 #include "cellkv/detail/cache_common.hpp"
+#include "cellkv/position_table.hpp"
 
 namespace cellkv {
 
@@ -36,8 +38,7 @@ class CellCache<layout::cell, W, P, MaxSeqs>
     free_.assign(n, true);
     used_.assign(n, false);
     free_count_ = n;
-    seq_cells_.assign(static_cast<std::size_t>(MaxSeqs), {});
-    changed_flag_.assign(static_cast<std::size_t>(n), 0);
+    table_ = PositionTable(this->config().max_seqs, n);
     if constexpr (kIsClustered<P>) {
       block_used_.assign(static_cast<std::size_t>(n / kBlock), 0);
       free_blocks_.assign(n / kBlock, true);
@@ -52,16 +53,13 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   [[nodiscard]] std::int32_t cell_pos(std::int32_t c) const noexcept { return cell_pos_[static_cast<std::size_t>(c)]; }
   [[nodiscard]] const Owners& cell_owners(std::int32_t c) const noexcept { return owners_[static_cast<std::size_t>(c)]; }
   // Cell holding position p of a live sequence; precondition p < pos(seq).
-  [[nodiscard]] std::int32_t cell_of(std::int32_t seq, std::int32_t p) const noexcept {
-    return seq_cells_[static_cast<std::size_t>(seq)][static_cast<std::size_t>(p)];
-  }
+  [[nodiscard]] std::int32_t cell_of(std::int32_t seq, std::int32_t p) const noexcept { return table_.cell(seq, p); }
+  // Every live sequence's cells by position (the table the device keeps a copy of).
+  [[nodiscard]] const PositionTable& table() const noexcept { return table_; }
 
-  // Cells whose metadata changed since the last acknowledge_changes(), each listed once.
-  [[nodiscard]] PendingChanges pending_changes() const noexcept { return {changed_, {}}; }
-  void acknowledge_changes() noexcept {
-    for (const std::int32_t c : changed_) changed_flag_[static_cast<std::size_t>(c)] = 0;
-    changed_.clear();
-  }
+  // Position-table entries written since the last acknowledge_changes(), each listed once.
+  [[nodiscard]] PendingChanges pending_changes() const noexcept { return {{}, {table_.changed(), table_.flat()}}; }
+  void acknowledge_changes() noexcept { table_.acknowledge(); }
 
   friend bool operator==(const CellCache&, const CellCache&) = default;
 
@@ -71,7 +69,12 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   }
   static constexpr std::int32_t kBlock = block_size();
 
-  static Status validate_rows(const CacheConfig& c) { return c.max_cells >= 1 ? Status{} : Status{Errc::bad_argument}; }
+  // max_cells >= 1, and the position table's flat array indexable by int32.
+  static Status validate_rows(const CacheConfig& c) {
+    const std::int32_t seqs = c.max_seqs == 0 ? MaxSeqs : c.max_seqs;
+    const bool ok = c.max_cells >= 1 && PositionTable::flat_size(seqs, c.max_cells) < (std::int64_t{1} << 31);
+    return ok ? Status{} : Status{Errc::bad_argument};
+  }
 
   // ---- hooks for CacheCommon ----
   Status room_for_step(std::span<const std::int32_t> seqs, std::span<const std::int32_t>) const {
@@ -85,32 +88,26 @@ class CellCache<layout::cell, W, P, MaxSeqs>
     --free_count_;
     cell_pos_[static_cast<std::size_t>(c)] = pos;
     owners_[static_cast<std::size_t>(c)].set(seq);
-    seq_cells_[static_cast<std::size_t>(seq)].push_back(c);
+    table_.append(seq, c);
     note_block_use(c, +1);
-    mark_changed(c);
     return c;
   }
 
   void truncate_rows(std::int32_t seq, std::int32_t keep) {
-    auto& cells = seq_cells_[static_cast<std::size_t>(seq)];
-    for (auto p = cells.size(); p-- > static_cast<std::size_t>(keep);) release(cells[p], seq);
-    cells.resize(static_cast<std::size_t>(keep));
-    if constexpr (kIsClustered<P>) open_block_[static_cast<std::size_t>(seq)] = keep == 0 ? -1 : cells.back() / kBlock;
+    table_.for_each_cell(seq, keep, table_.length(seq), [&](std::int32_t c) { release(c, seq); });
+    table_.truncate(seq, keep);
+    if constexpr (kIsClustered<P>)
+      open_block_[static_cast<std::size_t>(seq)] = keep == 0 ? -1 : table_.cell(seq, keep - 1) / kBlock;
   }
 
   void share_prefix(std::int32_t src, std::int32_t dst, std::int32_t upto) {
-    const auto& from = seq_cells_[static_cast<std::size_t>(src)];
-    auto& to = seq_cells_[static_cast<std::size_t>(dst)];
-    to.assign(from.begin(), from.begin() + upto);
-    for (const std::int32_t c : to) {
-      owners_[static_cast<std::size_t>(c)].set(dst);
-      mark_changed(c);
-    }
+    table_.share_prefix(src, dst, upto);
+    table_.for_each_cell(dst, 0, upto, [&](std::int32_t c) { owners_[static_cast<std::size_t>(c)].set(dst); });
   }
 
   void on_seq_created(std::int32_t seq) {
-    seq_cells_[static_cast<std::size_t>(seq)].clear();
     if constexpr (kIsClustered<P>) open_block_[static_cast<std::size_t>(seq)] = -1;
+    else (void)seq;
   }
 
   void clear_rows() {
@@ -121,8 +118,7 @@ class CellCache<layout::cell, W, P, MaxSeqs>
 
   template <class F>
   void for_each_visible_row(std::int32_t seq, std::int32_t lo, std::int32_t hi, F&& f) const {
-    const auto& cells = seq_cells_[static_cast<std::size_t>(seq)];
-    for (std::int32_t p = lo; p <= hi; ++p) f(static_cast<std::int64_t>(cells[static_cast<std::size_t>(p)]));
+    table_.for_each_cell(seq, lo, hi + 1, [&](std::int32_t c) { f(static_cast<std::int64_t>(c)); });
   }
   [[nodiscard]] std::int32_t row_pos(std::int64_t row) const noexcept { return cell_pos_[static_cast<std::size_t>(row)]; }
   [[nodiscard]] bool row_owned_by(std::int64_t row, std::int32_t seq) const noexcept {
@@ -162,7 +158,6 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   void release(std::int32_t c, std::int32_t seq) {
     auto& owners = owners_[static_cast<std::size_t>(c)];
     owners.reset(seq);
-    mark_changed(c);
     if (!owners.empty()) return;
     cell_pos_[static_cast<std::size_t>(c)] = -1;
     free_.set(c);
@@ -185,22 +180,13 @@ class CellCache<layout::cell, W, P, MaxSeqs>
     }
   }
 
-  void mark_changed(std::int32_t c) {
-    auto& flag = changed_flag_[static_cast<std::size_t>(c)];
-    if (flag) return;
-    flag = 1;
-    changed_.push_back(c);
-  }
-
   std::vector<std::int32_t> cell_pos_;                // [max_cells] position, -1 = free
   std::vector<Owners> owners_;                        // [max_cells]
   detail::Bitmap free_;                               // bit c = cell c is free
   detail::Bitmap used_;                               // complement of free_, for read_len
   std::int64_t free_count_ = 0;
   std::int32_t free_hint_ = 0;                        // no free cell below it
-  std::vector<std::vector<std::int32_t>> seq_cells_;  // [MaxSeqs][position] -> cell
-  std::vector<std::int32_t> changed_;                 // cells changed since the last acknowledge
-  std::vector<std::uint8_t> changed_flag_;            // [max_cells] 1 when listed in changed_
+  PositionTable table_;                               // [sequence][position] -> cell
   // clustered<B> only: used cells per full block, fully free blocks, each sequence's open block
   std::vector<std::int32_t> block_used_;
   detail::Bitmap free_blocks_;

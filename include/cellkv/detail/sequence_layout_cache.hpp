@@ -48,7 +48,7 @@ class CellCache<layout::sequence, W, P, MaxSeqs>
   }
 
   // Fork copies since the last acknowledge_changes(), in the order to run them.
-  [[nodiscard]] PendingChanges pending_changes() const noexcept { return {{}, copies_}; }
+  [[nodiscard]] PendingChanges pending_changes() const noexcept { return {copies_, {}}; }
   void acknowledge_changes() noexcept { copies_.clear(); }
 
   friend bool operator==(const CellCache&, const CellCache&) = default;

@@ -1,4 +1,4 @@
-// cellkv/cuda/ops.cuh - launchers: check arguments, then launch. A refusal launches and writes
+// cellkv/cuda/launch/ops.cuh - launchers: check arguments, then launch. A refusal launches and writes
 // nothing and names the problem; the stream is always the last parameter.
 //
 //   write_kv      pool[cells[t]] = k[t], v[t]                       (one launch for K and V)
@@ -15,7 +15,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "cellkv/cuda/dispatch.cuh"
+#include "cellkv/cuda/launch/dispatch.cuh"
 #include "cellkv/cuda/error.hpp"
 #include "cellkv/cuda/kernels/reference_attention.cuh"
 #include "cellkv/cuda/kernels/visibility.cuh"

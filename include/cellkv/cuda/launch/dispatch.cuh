@@ -1,4 +1,4 @@
-// cellkv/cuda/dispatch.cuh - the one place runtime values become template instantiations.
+// cellkv/cuda/launch/dispatch.cuh - the one place runtime values become template instantiations.
 //
 // Supported instantiations (every kernel is built for each):
 //   element type T: __nv_bfloat16, __half, float     (fp32 accumulation throughout)

@@ -1,0 +1,67 @@
+// Helpers the GPU benchmarks share: random device data, event timing, JSON lines and the shape
+// names of the report. Benchmarks are timing programs, never tests.
+#pragma once
+
+#include <cellkv/cuda/error.hpp>
+#include <cellkv/cuda/stream.hpp>
+
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace cellkv::bench {
+
+__global__ void fill_random_kernel(__nv_bfloat16* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 13, x *= 0x5bd1e995u, x ^= x >> 15;
+    p[i] = __float2bfloat16(static_cast<float>(x & 0xffff) / 32768.f - 1.f);
+  }
+}
+
+// n bf16 values in [-1, 1), a hash of (index, seed): never zeros, no host round trip.
+inline void randomize(__nv_bfloat16* p, std::size_t n, std::uint32_t seed) {
+  fill_random_kernel<<<1024, 256>>>(p, n, seed);
+  CELLKV_CUDA_THROW(cudaGetLastError());
+}
+
+// Median milliseconds of one call of f(): `samples` samples of `reps` back-to-back calls, after
+// three warm-up calls.
+template <class F>
+double time_ms(F&& f, cudaStream_t stream, int reps, int samples) {
+  gpu::Event start(true), stop(true);
+  for (int i = 0; i < 3; ++i) f();
+  std::vector<float> ms;
+  for (int s = 0; s < samples; ++s) {
+    (void)start.record(stream);
+    for (int r = 0; r < reps; ++r) f();
+    (void)stop.record(stream);
+    CELLKV_CUDA_THROW(cudaEventSynchronize(stop.get()));
+    float t = 0;
+    CELLKV_CUDA_THROW(cudaEventElapsedTime(&t, start.get(), stop.get()));
+    ms.push_back(t / static_cast<float>(reps));
+  }
+  std::nth_element(ms.begin(), ms.begin() + samples / 2, ms.end());
+  return ms[static_cast<std::size_t>(samples / 2)];
+}
+
+// One JSON line (report.py reads these) and a line of the human table on stderr.
+inline void emit(std::FILE* out, const char* work, const std::string& shape, const char* impl, double ms, double metric,
+                 const char* unit) {
+  std::fprintf(out, "{\"work\": \"%s\", \"shape\": \"%s\", \"impl\": \"%s\", \"ms\": %.6f, \"metric\": %.4f, \"unit\": \"%s\"}\n",
+               work, shape.c_str(), impl, ms, metric, unit);
+  std::fflush(out);
+  std::fprintf(stderr, "  %-18s %-12s %-28s %10.4f ms %10.3f %s\n", work, shape.c_str(), impl, ms, metric, unit);
+}
+
+// "16x4k", "1x32k", "3x700".
+inline std::string shape_name(std::int32_t n, std::int32_t len) {
+  return std::to_string(n) + "x" + (len % 1024 == 0 ? std::to_string(len / 1024) + "k" : std::to_string(len));
+}
+
+}  // namespace cellkv::bench

@@ -1,0 +1,139 @@
+// cellkv/attention_plan.hpp - the attention work of a placed step, planned on the host from its
+// segments and read by the table-driven kernels (include/cellkv/cuda/kernels/).
+//
+// What a segment's query rows see is a range of positions of its own sequence (visibility.hpp), so
+// the work of a segment is a range of KV tiles: tile i holds positions [i * tile, (i + 1) * tile),
+// and the position table turns each position into its cell. Nothing here depends on where cells
+// are: placement only changes which rows the kernels gather.
+//
+// Per window buffer, the plan holds:
+//   decode   the segments whose rows (len x group) fit one decode item (<= kDecodeRows), in step
+//            order, with the prefix sums of their tile counts. The decode kernel splits the
+//            sequence of (segment, KV head, tile) evenly over its workers (decode_chunk), so any
+//            mix of lengths keeps every worker equally busy; a (segment, head) cut by a chunk
+//            boundary is finished by merging the parts' partial softmax (part_slot, parts_of).
+//   prefill  one item per kPrefillRows query rows of every other segment.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+
+#include "cellkv/host_device.hpp"
+#include "cellkv/step_plan.hpp"
+#include "cellkv/visibility.hpp"
+
+namespace cellkv {
+
+inline constexpr std::int32_t kDecodeRows = 16;   // query rows (token x head) of a decode item
+inline constexpr std::int32_t kPrefillRows = 64;  // query rows of a prefill item
+inline constexpr std::int32_t kPrefillTile = 64;  // positions per KV tile of the prefill kernel
+inline constexpr std::int32_t kMinDecodeChunk = 4;  // a decode worker takes at least this many tiles
+
+// Positions per KV tile of the decode kernel for a head dim: CELLKV_DECODE_TILE_BYTES (4 KB) of K
+// (and of V) per tile, at least 16: 32, 16 and 16 positions for D = 64, 128 and 256. Each divides
+// kPagePositions.
+#ifndef CELLKV_DECODE_TILE_BYTES
+#define CELLKV_DECODE_TILE_BYTES 4096
+#endif
+constexpr std::int32_t decode_tile_positions(std::int32_t head_dim) noexcept {
+  const std::int32_t n = CELLKV_DECODE_TILE_BYTES / (2 * head_dim);
+  return n < 16 ? 16 : n;
+}
+
+// KV tiles [first, first + count) of `tile` positions that queries at positions [first_q, last_q]
+// see through `window`.
+struct TileSpan {
+  std::int32_t first = 0;
+  std::int32_t count = 0;
+};
+CELLKV_HOST_DEVICE constexpr TileSpan tiles_seen(std::int32_t window, std::int32_t first_q, std::int32_t last_q,
+                                                 std::int32_t tile) noexcept {
+  const std::int32_t lo = visible_begin(window, first_q) / tile;
+  return {lo, last_q / tile - lo + 1};
+}
+
+// The kernels' geometry the plan depends on.
+struct AttentionShape {
+  std::int32_t group = 1;        // H_q / H_kv
+  std::int32_t decode_tile = 0;  // positions per KV tile of the decode kernel (divides kPagePositions)
+};
+
+// Query rows [row0, row0 + rows) of one segment; row r is token r / group, head r % group.
+struct PrefillItem {
+  std::int32_t seg = 0;
+  std::int32_t row0 = 0;
+};
+
+// One window's work, in fixed-capacity arrays (device or staging memory).
+struct WindowWork {
+  std::int32_t* counts = nullptr;         // [2]: decode segments, prefill items
+  std::int32_t* decode_seg = nullptr;     // [max_write] segment index of each decode segment
+  std::int32_t* decode_prefix = nullptr;  // [max_write + 1] tiles of the decode segments before each
+  PrefillItem* prefill = nullptr;         // [max_prefill_items]
+
+  CELLKV_HOST_DEVICE std::int32_t decode_count() const noexcept { return counts[0]; }
+  CELLKV_HOST_DEVICE std::int32_t prefill_count() const noexcept { return counts[1]; }
+};
+
+// Whether a segment is decoded (its rows fit one decode item) rather than prefilled.
+CELLKV_HOST_DEVICE constexpr bool is_decode(const Segment& s, std::int32_t group) noexcept {
+  return static_cast<std::int64_t>(s.len) * group <= kDecodeRows;
+}
+
+// Prefill items a step of max_write tokens can need: ceil(len x group / kPrefillRows) per segment.
+constexpr std::int32_t max_prefill_items(std::int32_t max_write, std::int32_t group) noexcept {
+  return static_cast<std::int32_t>((static_cast<std::int64_t>(max_write) * group) / kPrefillRows + max_write);
+}
+
+// Plans one window's work from the step's segments.
+inline void plan_window(std::span<const Segment> segments, std::int32_t window, const AttentionShape& shape,
+                        const WindowWork& out) {
+  std::int32_t decode = 0, prefill = 0, tiles = 0;
+  for (std::size_t i = 0; i < segments.size(); ++i) {
+    const Segment& s = segments[i];
+    if (is_decode(s, shape.group)) {
+      out.decode_seg[decode] = static_cast<std::int32_t>(i);
+      out.decode_prefix[decode++] = tiles;
+      tiles += tiles_seen(window, s.pos0, s.pos0 + s.len - 1, shape.decode_tile).count;
+    } else {
+      // Last rows first: they see the most, so the longest items start earliest.
+      const std::int32_t rows = s.len * shape.group, items = (rows + kPrefillRows - 1) / kPrefillRows;
+      for (std::int32_t m = items; m-- > 0;) out.prefill[prefill++] = PrefillItem{static_cast<std::int32_t>(i), m * kPrefillRows};
+    }
+  }
+  out.decode_prefix[decode] = tiles;
+  out.counts[0] = decode;
+  out.counts[1] = prefill;
+}
+
+// ---- the decode split (host and device agree on it; tests check it on the host) ----
+//
+// The decode work of a window is the sequence of tiles of (decode segment d, KV head h) pairs,
+// ordered by (d, h, tile): pair p = d * H_kv + h covers [prefix[d] H_kv + h tiles(d),
+// prefix[d] H_kv + (h + 1) tiles(d)). Worker w takes tiles [w chunk, (w + 1) chunk).
+
+// Tiles per worker for `total` tiles over `workers` workers.
+CELLKV_HOST_DEVICE constexpr std::int64_t decode_chunk(std::int64_t total, std::int32_t workers) noexcept {
+  const std::int64_t even = (total + workers - 1) / workers;
+  return even > kMinDecodeChunk ? even : kMinDecodeChunk;
+}
+
+// Workers [first, last] that hold a part of the pair covering tiles [begin, end) (end > begin).
+struct PartRange {
+  std::int32_t first = 0;
+  std::int32_t last = 0;
+  CELLKV_HOST_DEVICE constexpr std::int32_t count() const noexcept { return last - first + 1; }
+};
+CELLKV_HOST_DEVICE constexpr PartRange parts_of(std::int64_t begin, std::int64_t end, std::int64_t chunk) noexcept {
+  return {static_cast<std::int32_t>(begin / chunk), static_cast<std::int32_t>((end - 1) / chunk)};
+}
+
+// Partial-result slot of worker w's part of a pair that starts at tile `begin`: each worker has
+// two, one for the pair it starts inside of (its first pair, when that began at or before the
+// worker's first tile), one for the last pair it starts, which may run on past its chunk.
+CELLKV_HOST_DEVICE constexpr std::int32_t part_slot(std::int32_t worker, std::int64_t begin, std::int64_t chunk) noexcept {
+  return 2 * worker + (begin > static_cast<std::int64_t>(worker) * chunk ? 1 : 0);
+}
+
+}  // namespace cellkv

@@ -1,0 +1,170 @@
+// cellkv/cuda/kernels/prefill_attention.cuh - prefill attention read through the position tables.
+//
+// Work item = (prefill item, KV head): kPrefillRows query rows of one segment (token x GQA head of
+// the group), 16 per warp. They see the positions [visible_begin(W, first row), last row] of
+// their sequence: KV tiles of kPrefillTile positions, each one page of the position table. The
+// block streams the tiles through `Stages` shared-memory stages (cp.async, rows gathered through
+// the table; the row ids of the tile after next are read while the current tile computes); each
+// warp skips the tiles its own rows cannot see and masks only the tiles at the edges of its range.
+//
+// Grid: persistent (fixed); block: kPrefillWarps x 32 threads; dynamic smem:
+// prefill_smem_bytes<D, Stages>().
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cellkv/attention_plan.hpp"
+#include "cellkv/cuda/kernels/attention_tiles.cuh"
+#include "cellkv/cuda/kernels/mma.cuh"
+#include "cellkv/cuda/numeric.cuh"
+#include "cellkv/pool_view.hpp"
+#include "cellkv/step_plan.hpp"
+#include "cellkv/visibility.hpp"
+
+namespace cellkv::gpu::kernels {
+
+inline constexpr int kPrefillWarps = kPrefillRows / 16;
+inline constexpr int kPrefillThreads = 32 * kPrefillWarps;
+
+template <int D, int Stages>
+constexpr int prefill_smem_bytes() {
+  return kPrefillRows * D * 2 + Stages * 2 * kPrefillTile * D * 2;
+}
+
+template <class T, class Rows>
+struct PrefillArgs {
+  const T* q = nullptr;  // [width, heads_q, D]
+  T* out = nullptr;      // [width, heads_q, D]
+  PoolView<const T> pool;
+  Rows rows;
+  std::int32_t heads_q = 0;
+  float scale_log2 = 0;  // scale * log2(e)
+  std::int32_t window = 0;
+  const Segment* segments = nullptr;
+  WindowWork work;
+};
+
+// Rows [row0, row0 + rows) of a segment; row r is token r / group, head r % group of the group.
+struct ItemRows {
+  Segment seg;
+  int row0 = 0, rows = 0, group = 1;
+  __device__ int token(int r) const { return seg.tok0 + (row0 + r) / group; }
+  __device__ int head(int hk, int r) const { return hk * group + (row0 + r) % group; }
+  __device__ int qpos(int r) const { return seg.pos0 + (row0 + r) / group; }
+  __device__ int first() const { return qpos(0); }
+  __device__ int last() const { return qpos(rows - 1); }
+};
+
+// The item's query rows [0, kPrefillRows) (zeros past `rows`) into a swizzled shared tile.
+template <int D, class T>
+__device__ void load_queries(const T* q, int heads_q, const ItemRows& it, int hk, std::uint32_t q_dst) {
+  constexpr int kChunks = D / 8;
+  for (int i = threadIdx.x; i < kPrefillRows * kChunks; i += kPrefillThreads) {
+    const int r = i / kChunks, chunk = i % kChunks;
+    const bool valid = r < it.rows;
+    const std::int64_t off = valid ? (static_cast<std::int64_t>(it.token(r)) * heads_q + it.head(hk, r)) * D + chunk * 8 : 0;
+    cp_async_16(q_dst + SwizzledTile<D>::offset(r, chunk), q + off, valid);
+  }
+}
+
+// Row id of position base + i of the item's sequence (i < kPrefillTile), -1 where no row sees it.
+template <class Rows>
+__device__ __forceinline__ int prefill_row_id(const Rows& rows, int seq, int base, const PositionRange& seen, int i) {
+  if (!seen.contains(base + i)) return -1;
+  return rows.row(rows.tile(seq, base), i);
+}
+
+// Issues the copies of one tile (row ids in shared memory) into a stage.
+template <int D, class T>
+__device__ __forceinline__ void issue_prefill_tile(const PoolView<const T>& pool, int hk, const int* ids,
+                                                   std::uint32_t k_dst, std::uint32_t v_dst) {
+  constexpr int kChunks = D / 8;
+  for (int i = threadIdx.x; i < kPrefillTile * kChunks; i += kPrefillThreads) {
+    const int row = i / kChunks, chunk = i % kChunks, id = ids[row];
+    const bool valid = id >= 0;
+    const std::int64_t off = valid ? pool.offset(id, hk) + chunk * 8 : 0;
+    const std::uint32_t dst = SwizzledTile<D>::offset(row, chunk);
+    cp_async_16(k_dst + dst, pool.k + off, valid);
+    cp_async_16(v_dst + dst, pool.v + off, valid);
+  }
+}
+
+template <class T, int D, int Stages, class Rows>
+__global__ void __launch_bounds__(kPrefillThreads) prefill_attention(PrefillArgs<T, Rows> a) {
+  static_assert(Stages == 2, "prefill_attention double-buffers its KV tiles");
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int ids[2][kPrefillTile];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const std::uint32_t q_tile = smem_addr(smem);
+  const std::uint32_t stages = q_tile + kPrefillRows * D * 2;
+  constexpr std::uint32_t kTileBytes = kPrefillTile * D * 2;
+  auto k_stage = [&](int s) { return stages + static_cast<std::uint32_t>(s) * 2 * kTileBytes; };
+  const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
+  const int items = a.work.prefill_count() * heads_kv;
+
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const PrefillItem w = a.work.prefill[item / heads_kv];
+    const int hk = item % heads_kv;
+    ItemRows it{a.segments[w.seg], w.row0, 0, group};
+    it.rows = min(kPrefillRows, it.seg.len * group - it.row0);
+    const TileSpan span = tiles_seen(a.window, it.first(), it.last(), kPrefillTile);
+    const PositionRange seen{visible_begin(a.window, it.first()), it.last()};
+    auto id_of = [&](int j) {
+      return prefill_row_id(a.rows, it.seg.seq, (span.first + j) * kPrefillTile, seen, threadIdx.x);
+    };
+    load_queries<D>(a.q, a.heads_q, it, hk, q_tile);
+    cp_async_commit();
+    if (threadIdx.x < kPrefillTile) {
+      ids[0][threadIdx.x] = id_of(0);
+      ids[1][threadIdx.x] = span.count > 1 ? id_of(1) : -1;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    // This warp's rows: [16 warp, 16 warp + 16) of the item.
+    ItemRows mine = it;
+    mine.row0 = it.row0 + 16 * warp;
+    mine.rows = max(0, min(16, it.rows - 16 * warp));
+    QFragments<D> q;
+    q.init(q_tile, 16 * warp, lane);
+    RowState<D> st;
+    issue_prefill_tile<D>(a.pool, hk, ids[0], k_stage(0), k_stage(0) + kTileBytes);
+    cp_async_commit();
+    for (int j = 0; j < span.count; ++j) {
+      cp_async_wait<0>();
+      __syncthreads();  // tile j landed; ids of tile j + 1 visible; stage (j + 1) % 2 free
+      if (j + 1 < span.count)
+        issue_prefill_tile<D>(a.pool, hk, ids[(j + 1) % 2], k_stage((j + 1) % 2), k_stage((j + 1) % 2) + kTileBytes);
+      cp_async_commit();
+      const int next_id = j + 2 < span.count && threadIdx.x < kPrefillTile ? id_of(j + 2) : -1;
+      const int key0 = (span.first + j) * kPrefillTile;
+      if (mine.rows > 0 && key0 <= mine.last() && key0 + kPrefillTile - 1 >= visible_begin(a.window, mine.first())) {
+        const bool full = key0 >= visible_begin(a.window, mine.last()) && key0 + kPrefillTile - 1 <= mine.first();
+        float s[kPrefillTile / 8][4];
+        qk<D, kPrefillTile / 8, T>(s, q, k_stage(j % 2), 0, lane);
+        mask_tile<kPrefillTile / 8>(s, mine.rows, [&](int r) { return mine.qpos(r); }, key0, a.window, full,
+                                    a.scale_log2, lane);
+        st.absorb(s);
+        pv<D, kPrefillTile / 8, T>(st.o, s, k_stage(j % 2) + kTileBytes, 0, lane);
+      }
+      if (j + 2 < span.count && threadIdx.x < kPrefillTile) ids[j % 2][threadIdx.x] = next_id;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float l = quad_sum(st.l[h]);
+      const int r = (lane >> 2) + 8 * h;
+      if (r >= mine.rows) continue;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      T* dst = a.out + (static_cast<std::int64_t>(mine.token(r)) * a.heads_q + mine.head(hk, r)) * D + (lane & 3) * 2;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) {
+        dst[d * 8] = from_float<T>(st.o[d][2 * h] * inv);
+        dst[d * 8 + 1] = from_float<T>(st.o[d][2 * h + 1] * inv);
+      }
+    }
+    __syncthreads();  // before the next item reuses the query tile and the stages
+  }
+}
+
+}  // namespace cellkv::gpu::kernels

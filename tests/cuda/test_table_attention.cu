@@ -1,0 +1,246 @@
+// The table kernels (decode split evenly over warps and merged in-kernel, prefill by position
+// ranges, both reading K/V rows through the position tables) against the float64 host reference
+// and the reference kernel on random scenarios: both layouts, three placements, forks, rewinds,
+// removals, refilled holes, windows, long churn near full occupancy, T from 1 to max_write, bf16
+// and fp16, head dims 64/128/256, GQA ratios 1, 4 and 8. Padding rows are zeros.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "cellkv/cuda/device_cache.cuh"
+#include "cellkv/cuda/graph.hpp"
+#include "cellkv/cuda/stream.hpp"
+#include "forward_harness.cuh"
+#include "support.cuh"
+
+namespace {
+
+using namespace cellkv;
+using namespace cellkv::test;
+using Model = Windows<0, 40, 0>;
+
+struct Shape {
+  std::int32_t heads_q, heads_kv, head_dim, max_write, max_cells;
+};
+
+template <class Cache>
+Cache make_cache(const Shape& sh, std::int32_t max_seqs) {
+  const CacheConfig config{.max_write = sh.max_write, .max_cells = sh.max_cells, .max_seqs = max_seqs,
+                           .max_len = (sh.max_cells / max_seqs + 63) / 64 * 64};
+  return Cache(config, {.layers = Model::kLayers, .heads_kv = sh.heads_kv, .head_dim = sh.head_dim, .heads_q = sh.heads_q});
+}
+
+// One checked step: upload (padded by 0-2 tokens), forward, compare with the host reference.
+template <class Cache>
+void checked_step(Cache& cache, ForwardHarness<Cache>& harness, std::int32_t T, std::int32_t max_write,
+                  std::mt19937_64& rng, gpu::Stream& stream) {
+  const std::int32_t width = std::min(max_write, T + static_cast<std::int32_t>(rng() % 3));
+  harness.new_inputs(width, rng);
+  REQUIRE(cache.upload(stream, width).ok());
+  harness.device_forward(width, stream);
+  REQUIRE(cache.commit(stream).ok());
+  stream.synchronize();
+  CHECK(harness.check_against_reference() <= tolerance<typename Cache::Element>());
+  CHECK(harness.padding_rows_are_zero(width));
+}
+
+// Random steps; every step's outputs checked against the host reference.
+template <class Cache>
+void random_run(Shape sh, std::uint64_t seed, int steps) {
+  Cache cache = make_cache<Cache>(sh, 6);
+  REQUIRE(cache.fast());
+  ForwardHarness<Cache> harness(cache, sh.heads_q, sh.max_write);
+  gpu::Stream stream;
+  std::mt19937_64 rng(seed);
+  for (int step = 0; step < steps; ++step) {
+    CAPTURE(seed);
+    CAPTURE(step);
+    const std::int32_t T = random_step<typename Cache::Host>(cache, sh.max_write, rng);
+    const auto copies = cache.host().pending_changes().copies;
+    harness.mirror_copies({copies.begin(), copies.end()});
+    checked_step(cache, harness, T, sh.max_write, rng, stream);
+  }
+  require_device_ok();
+}
+
+// Long churn near full occupancy: many cheap steps (K/V written, no attention) over sequences
+// that arrive, fork, rewind and leave, with the step's sequences preempted (removed) while it
+// does not fit, so every sequence's cells end up scattered over a nearly full pool; then checked
+// steps.
+template <class Cache>
+void churn_run(Shape sh, std::uint64_t seed, int churn_steps, int checked_steps) {
+  Cache cache = make_cache<Cache>(sh, 12);
+  ForwardHarness<Cache> harness(cache, sh.heads_q, sh.max_write);
+  gpu::Stream stream;
+  std::mt19937_64 rng(seed);
+  auto pick = [&](std::int32_t n) { return static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(n)); };
+  std::int64_t fullest = 0;
+  for (int step = 0; step < churn_steps + checked_steps; ++step) {
+    CAPTURE(seed);
+    CAPTURE(step);
+    const auto& host = cache.host();
+    std::vector<std::int32_t> live;
+    host.live_sequences().for_each([&](std::int32_t s) { live.push_back(s); });
+    const std::int32_t verb = pick(10);
+    if (live.empty() || (verb == 0 && static_cast<std::int32_t>(live.size()) < 12)) live.push_back(cache.seq_new().value());
+    else if (verb == 1 && static_cast<std::int32_t>(live.size()) < 12) {
+      const std::int32_t src = live[static_cast<std::size_t>(pick(static_cast<std::int32_t>(live.size())))];
+      live.push_back(cache.seq_clone(src, pick(host.pos(src).value() + 1)).value());
+    } else if (verb == 2) {
+      const std::int32_t s = live[static_cast<std::size_t>(pick(static_cast<std::int32_t>(live.size())))];
+      REQUIRE(cache.rewind(s, pick(host.pos(s).value() + 1)).ok());
+    }
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(1 + pick(sh.max_write)));
+    for (;;) {
+      for (auto& id : ids) id = live[static_cast<std::size_t>(pick(static_cast<std::int32_t>(live.size())))];
+      if (cache.declare_step(ids).ok()) break;
+      const auto victim = live.begin() + pick(static_cast<std::int32_t>(live.size()));  // preempt one
+      REQUIRE(cache.seq_rm(*victim).ok());
+      live.erase(victim);
+      if (live.empty()) live.push_back(cache.seq_new().value());
+    }
+    fullest = std::max(fullest, host.capacity() - host.free_cells());
+    const auto T = static_cast<std::int32_t>(ids.size());
+    if (step < churn_steps) {
+      REQUIRE(cache.upload(stream).ok());
+      harness.write_step(T, rng, stream);
+      REQUIRE(cache.commit(stream).ok());
+    } else {
+      checked_step(cache, harness, T, sh.max_write, rng, stream);
+    }
+  }
+  CHECK(fullest * 100 >= cache.host().capacity() * 97);  // the churn ran the pool nearly full
+  require_device_ok();
+}
+
+template <class T, class Placement>
+using Cells = gpu::DeviceCache<layout::cell, T, Model, Placement, 16>;
+template <class T>
+using Slots = gpu::DeviceCache<layout::sequence, T, Model, placement::lowest_free, 16>;
+
+}  // namespace
+
+TEST_CASE("table kernels, cell layout, clustered<64>: bf16, D 128, GQA 4, decode and prefill") {
+  random_run<Cells<__nv_bfloat16, placement::clustered<64>>>({32, 8, 128, 48, 1200}, 101, 30);
+}
+
+TEST_CASE("table kernels, cell layout, lowest_free (interleaved cells): fp16, D 64, GQA 8") {
+  random_run<Cells<__half, placement::lowest_free>>({16, 2, 64, 40, 700}, 102, 30);
+}
+
+TEST_CASE("table kernels, cell layout, clustered<16>: bf16, D 256, H_q = H_kv") {
+  random_run<Cells<__nv_bfloat16, placement::clustered<16>>>({2, 2, 256, 33, 500}, 103, 20);
+}
+
+TEST_CASE("table kernels, sequence layout: bf16 D 128 GQA 4, fp16 D 64 GQA 1, bf16 D 256 GQA 8") {
+  random_run<Slots<__nv_bfloat16>>({8, 2, 128, 40, 900}, 104, 25);
+  random_run<Slots<__half>>({4, 4, 64, 17, 600}, 105, 20);
+  random_run<Slots<__nv_bfloat16>>({8, 1, 256, 9, 400}, 106, 15);
+}
+
+TEST_CASE("table kernels after long churn near full occupancy: lowest_free and clustered<64>") {
+  churn_run<Cells<__nv_bfloat16, placement::lowest_free>>({32, 8, 128, 64, 3000}, 111, 400, 12);
+  churn_run<Cells<__half, placement::clustered<64>>>({16, 2, 64, 64, 3000}, 112, 400, 12);
+  churn_run<Cells<__nv_bfloat16, placement::lowest_free>>({8, 8, 256, 32, 1500}, 113, 300, 8);
+}
+
+TEST_CASE("table kernels: one long sequence is split over many warps and merged, for every head dim") {
+  using Cache = Cells<__nv_bfloat16, placement::lowest_free>;
+  for (const std::int32_t D : {64, 128, 256}) {
+    CAPTURE(D);
+    Cache cache({.max_write = 64, .max_cells = 9000, .max_seqs = 4},
+                {.layers = Model::kLayers, .heads_kv = 2, .head_dim = D, .heads_q = 8});
+    ForwardHarness<Cache> harness(cache, 8, 64);
+    gpu::Stream stream;
+    std::mt19937_64 rng(7);
+    const auto a = cache.seq_new().value();
+    const auto other = cache.seq_new().value();  // interleaved with a, so a's cells are scattered
+    const std::vector<std::int32_t> chunk{a, a, a, other, a, a, a, a};
+    for (int i = 0; i < 1000; ++i) {
+      REQUIRE(cache.declare_step(chunk).ok());
+      REQUIRE(cache.upload(stream).ok());
+      harness.write_step(8, rng, stream);
+      REQUIRE(cache.commit(stream).ok());
+    }
+    const std::vector<std::int32_t> one{a};
+    REQUIRE(cache.declare_step(one).ok());
+    checked_step(cache, harness, 1, 64, rng, stream);
+    CHECK(cache.shard().work_counts(0).decode == 1);  // one decode segment, 7001 positions
+    CHECK(cache.shard().work_counts(0).prefill == 0);
+    const std::vector<std::int32_t> mixed{a, a, a, a, a, a, a, a, other};  // a prefill segment (32 rows), a decode one
+    REQUIRE(cache.declare_step(mixed).ok());
+    checked_step(cache, harness, 9, 64, rng, stream);
+    CHECK(cache.shard().work_counts(0).decode == 1);
+    CHECK(cache.shard().work_counts(0).prefill == 1);
+  }
+  require_device_ok();
+}
+
+TEST_CASE("table kernels: graph replay across random mixes needs no recapture") {
+  using Cache = Cells<__nv_bfloat16, placement::lowest_free>;
+  constexpr std::int32_t kWidth = 24;
+  Cache cache({.max_write = kWidth, .max_cells = 1500, .max_seqs = 6},
+              {.layers = Model::kLayers, .heads_kv = 2, .head_dim = 128, .heads_q = 8});
+  ForwardHarness<Cache> harness(cache, 8, kWidth);
+  gpu::Stream stream;
+  std::mt19937_64 rng(9);
+  (void)random_step<Cache::Host>(cache, kWidth, rng);
+  REQUIRE(cache.upload(stream, kWidth).ok());
+  harness.new_inputs(kWidth, rng);
+  const gpu::GraphExec graph = gpu::capture(stream, [&] { harness.device_forward(kWidth, stream); });
+  REQUIRE(cache.commit(stream).ok());
+  for (int step = 0; step < 100; ++step) {
+    CAPTURE(step);
+    (void)random_step<Cache::Host>(cache, kWidth, rng);
+    harness.new_inputs(kWidth, rng);
+    REQUIRE(cache.upload(stream, kWidth).ok());
+    REQUIRE(graph.replay(stream).ok());
+    REQUIRE(cache.commit(stream).ok());
+    stream.synchronize();
+    CHECK(harness.check_against_reference() <= tolerance<__nv_bfloat16>());
+    CHECK(harness.padding_rows_are_zero(kWidth));
+  }
+}
+
+TEST_CASE("table kernels and the reference kernel agree; masks on request equal the host's") {
+  using Cache = Cells<__nv_bfloat16, placement::clustered<64>>;
+  const CacheConfig config{.max_write = 20, .max_cells = 900, .max_seqs = 5};
+  const gpu::PoolShape shape{.layers = Model::kLayers, .heads_kv = 2, .head_dim = 64, .heads_q = 8};
+  Cache fast(config, shape), ref(config, shape);
+  ref.use_kernels(gpu::KernelChoice::reference);
+  CHECK(fast.fast());
+  CHECK_FALSE(ref.fast());
+  ForwardHarness<Cache> hf(fast, 8, 20), hr(ref, 8, 20);
+  gpu::Stream stream;
+  std::mt19937_64 rng_f(5), rng_r(5), data_f(6), data_r(6);
+  for (int step = 0; step < 25; ++step) {
+    CAPTURE(step);
+    const std::int32_t T = random_step<Cache::Host>(fast, 20, rng_f);
+    REQUIRE(random_step<Cache::Host>(ref, 20, rng_r) == T);
+    hf.new_inputs(T, data_f);
+    hr.new_inputs(T, data_r);
+    REQUIRE(fast.upload(stream, T, gpu::Masks::always).ok());
+    REQUIRE(ref.upload(stream).ok());
+    hf.device_forward(T, stream);
+    hr.device_forward(T, stream);
+    REQUIRE(fast.commit(stream).ok());
+    REQUIRE(ref.commit(stream).ok());
+    stream.synchronize();
+    const double ef = hf.check_against_reference(), er = hr.check_against_reference();
+    CHECK(ef <= tolerance<__nv_bfloat16>());
+    CHECK(er <= tolerance<__nv_bfloat16>());
+    // The two device outputs agree with each other too.
+    CHECK(max_relative_difference(hf.outputs(), hr.outputs(), 64) <= tolerance<__nv_bfloat16>());
+    // The masks the table-kernel cache built on request equal the host's rows.
+    const auto plan = fast.host().step();
+    std::vector<std::uint8_t> want(static_cast<std::size_t>(plan.read_len)), got(want.size());
+    for (std::int32_t t = 0; t < T; ++t) {
+      fast.host().mask_row(40, t, want);
+      REQUIRE(cudaMemcpy(got.data(), fast.mask(Model::buffer_of_window(40)) + t * fast.bindings().max_cells, got.size(),
+                         cudaMemcpyDeviceToHost) == cudaSuccess);
+      CHECK(got == want);
+    }
+  }
+}
