@@ -155,15 +155,14 @@ __global__ void sum_parts(Parts<T, MaxParts> parts, std::int32_t n_parts, std::i
 //
 // y[b, n] = sum_k x'[b, k] Wt[n, k] for rows b < B (B <= 16) and outputs n < N, where x' is x, or
 // rmsnorm(x) * gain (rounded to T, as the RMSNorm kernel does) when a gain is given. One block of 8
-// warps computes 8 consecutive outputs for all B rows: the rows sit in shared memory, each warp
-// streams one weight row once (16-byte loads) and keeps B sums; the epilogue sees the 8 x B tile.
-// Each row's sum is accumulated in the same order whatever B is, so a row's result does not
-// depend on the rows batched with it.
+// warps computes 8 R consecutive outputs for all B rows: the rows sit in shared memory, each warp
+// streams R weight rows once (16-byte loads) and keeps R B sums; the epilogue sees the block's
+// outputs x B tile. Each row's sum is accumulated in the same order whatever B is, so a row's
+// result does not depend on the rows batched with it.
 namespace gemv {
 
 inline constexpr int kWarps = 8;
 inline constexpr int kThreads = kWarps * 32;
-inline constexpr int kOutputs = kWarps;  // outputs per block
 
 enum class Out : std::uint8_t {
   store,        // y[b, n] (+)= acc, T
@@ -171,6 +170,10 @@ enum class Out : std::uint8_t {
   qkv_rope,     // pairs into q, k (rotated), v
   swiglu,       // pairs (w1, w3) -> a[b, n / 2]
 };
+
+// Weight rows per warp: 4 for the long LM head (fewer blocks staging the rows), else 1.
+template <Out kOut>
+inline constexpr int kPerWarp = kOut == Out::store_float ? 4 : 1;
 
 template <class T>
 struct Args {
@@ -211,6 +214,8 @@ __device__ __forceinline__ void load_vec(const T* p, float (&out)[kVec<T>], bool
 
 template <class T, int B, Out kOut, bool kNorm>
 __global__ void __launch_bounds__(kThreads) gemv(Args<T> a) {
+  constexpr int R = kPerWarp<kOut>;
+  constexpr int kOutputs = kWarps * R;  // outputs per block; warp w has outputs w, w + 8, ...
   extern __shared__ int4 gemv_smem[];
   T* xs = reinterpret_cast<T*>(gemv_smem);  // [B, k]
   __shared__ float tile[kOutputs][B];
@@ -234,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) gemv(Args<T> a) {
       float v[kVec<T>], g[kVec<T>];
       load_vec(a.x + i, v, true);
       load_vec(a.gain + c, g, true);
-      T out[kVec<T>];
+      alignas(16) T out[kVec<T>];
 #pragma unroll
       for (int j = 0; j < kVec<T>; ++j) out[j] = cellkv::gpu::from_float<T>(v[j] * inv_rms[b] * g[j]);
       *reinterpret_cast<int4*>(xs + i) = *reinterpret_cast<const int4*>(out);
@@ -244,46 +249,64 @@ __global__ void __launch_bounds__(kThreads) gemv(Args<T> a) {
   }
   __syncthreads();
   const std::int32_t n0 = static_cast<std::int32_t>(blockIdx.x) * kOutputs;
-  const std::int32_t n = n0 + warp;
-  float acc[B];
+  float acc[R][B];
 #pragma unroll
-  for (int b = 0; b < B; ++b) acc[b] = 0.f;
-  if (n < a.n) {
-    const T* w = a.wt + static_cast<std::int64_t>(n) * k;
-#pragma unroll 4
-    for (std::int32_t c = lane * kVec<T>; c < k; c += 32 * kVec<T>) {
-      float wv[kVec<T>];
-      load_vec(w + c, wv, true);
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int b = 0; b < B; ++b) {
-        float xv[kVec<T>];
-        load_vec(xs + b * k + c, xv, false);
+    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+  const T* w[R];
+  bool live[R];
 #pragma unroll
-        for (int j = 0; j < kVec<T>; ++j) acc[b] = fmaf(xv[j], wv[j], acc[b]);
-      }
+  for (int r = 0; r < R; ++r) {
+    const std::int32_t n = n0 + warp + r * kWarps;
+    live[r] = n < a.n;
+    w[r] = a.wt + static_cast<std::int64_t>(live[r] ? n : 0) * k;
+  }
+#pragma unroll 2
+  for (std::int32_t c = lane * kVec<T>; c < k; c += 32 * kVec<T>) {
+    float wv[R][kVec<T>];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (live[r]) load_vec(w[r] + c, wv[r], true);
+      else
+#pragma unroll
+        for (int j = 0; j < kVec<T>; ++j) wv[r][j] = 0.f;
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      float xv[kVec<T>];
+      load_vec(xs + b * k + c, xv, false);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < kVec<T>; ++j) acc[r][b] = fmaf(xv[j], wv[r][j], acc[r][b]);
     }
   }
 #pragma unroll
-  for (int b = 0; b < B; ++b) {
+  for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) acc[b] += __shfl_xor_sync(0xffffffffu, acc[b], o);
-  }
+    for (int b = 0; b < B; ++b) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[r][b] += __shfl_xor_sync(0xffffffffu, acc[r][b], o);
+    }
   if (lane == 0) {
 #pragma unroll
-    for (int b = 0; b < B; ++b) tile[warp][b] = acc[b];
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) tile[warp + r * kWarps][b] = acc[r][b];
   }
   __syncthreads();
   if constexpr (kOut == Out::store || kOut == Out::store_float) {
     for (int t = static_cast<int>(threadIdx.x); t < kOutputs * B; t += kThreads) {
-      const int r = t % kOutputs, b = t / kOutputs;
-      const std::int32_t nn = n0 + r;
+      const int o = t % kOutputs, b = t / kOutputs;
+      const std::int32_t nn = n0 + o;
       if (nn >= a.n) continue;
       const std::int64_t at = static_cast<std::int64_t>(b) * a.ld + nn;
       if constexpr (kOut == Out::store_float) {
-        a.yf[at] = tile[r][b];
+        a.yf[at] = tile[o][b];
       } else {
         const float base = a.accumulate ? cellkv::gpu::to_float(a.y[at]) : 0.f;
-        a.y[at] = cellkv::gpu::from_float<T>(base + tile[r][b]);
+        a.y[at] = cellkv::gpu::from_float<T>(base + tile[o][b]);
       }
     }
   } else {
@@ -310,7 +333,7 @@ constexpr std::size_t smem_bytes(int rows, std::int32_t k) {
 // Whether the GEMV serves k (16-byte rows) for `rows` rows within `limit` bytes of shared memory.
 template <class T>
 constexpr bool fits(int rows, std::int32_t k, int limit) {
-  return k % kVec<T> == 0 && smem_bytes<T>(rows, k) + 2048 <= static_cast<std::size_t>(limit);
+  return k % kVec<T> == 0 && smem_bytes<T>(rows, k) + 4096 <= static_cast<std::size_t>(limit);
 }
 
 template <class T, int B, Out kOut, bool kNorm>
@@ -321,6 +344,7 @@ cudaError_t launch_rows(const Args<T>& a, cudaStream_t stream) {
         cudaFuncSetAttribute(gemv<T, B, kOut, kNorm>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
     if (e != cudaSuccess) return e;
   }
+  constexpr int kOutputs = kWarps * kPerWarp<kOut>;
   const unsigned blocks = static_cast<unsigned>((a.n + kOutputs - 1) / kOutputs);
   gemv<T, B, kOut, kNorm><<<blocks, kThreads, bytes, stream>>>(a);
   return cudaGetLastError();

@@ -32,6 +32,7 @@ class GpuLlama {
   // GPU time per phase of the steps retired so far (GpuOptions::profile), and its reset.
   [[nodiscard]] const PhaseTimes& phase_times() const { return rank_.phase_times(); }
   void reset_phase_times() { rank_.reset_phase_times(); }
+  void set_profile(bool on) { rank_.set_profile(on); }
 
   // Enqueues the step (token ids and sampling rows up, the cache's upload, the forward and the
   // sampler, the cache's commit, the sampled ids down); does not wait for it.

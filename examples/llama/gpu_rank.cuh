@@ -65,7 +65,7 @@ struct GpuOptions {
   std::int32_t max_graph_width = 64;  // widths above run eagerly
   bool graphs = true;
   std::int32_t max_gemv_width = 16;   // widths up to this (<= 16) run the fused skinny GEMV; 0: cuBLAS only
-  bool profile = false;               // time each step's phases (phase_times())
+  bool profile = false;               // time each step's phases (phase_times()); also set_profile()
 };
 
 struct GraphStats {
@@ -95,7 +95,7 @@ class GpuRank {
           std::int32_t max_width, cudaStream_t stream, AllReduce<T>* reduce, GpuOptions options)
       : c_(config), attention_(attention), rank_(rank), max_width_(max_width),
         rows_(std::max(max_width, static_cast<std::int32_t>(kGemvRows))), stream_(stream), reduce_(reduce),
-        options_(options), block_(max_width) {
+        options_(options), block_(rows_) {
     if (reduce_ != nullptr && !reduce_->capturable()) options_.graphs = false;
     options_.max_gemv_width = std::clamp(options_.max_gemv_width, 0, static_cast<std::int32_t>(kGemvRows));
     if (cublasCreate(&blas_) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasCreate failed");
@@ -120,6 +120,9 @@ class GpuRank {
   [[nodiscard]] const GraphStats& graph_stats() const { return stats_; }
   [[nodiscard]] const PhaseTimes& phase_times() const { return phases_; }
   void reset_phase_times() { phases_ = {}; }
+  // Times the phases of the steps enqueued from now on (or stops). Profiled steps replay graphs
+  // captured without the sampler, which then runs as its own launch between two events.
+  void set_profile(bool on) { options_.profile = on; }
   [[nodiscard]] cudaStream_t stream() const { return stream_; }
   [[nodiscard]] std::int32_t in_flight() const { return static_cast<std::int32_t>(next_ - head_); }
 
@@ -162,6 +165,7 @@ class GpuRank {
     if (options_.profile) CELLKV_CUDA_STATUS(cudaEventRecord(timing_[slot].copied.get(), stream_));
     if (const cellkv::Status s = done_[slot].record(::cuda::stream_ref(stream_)); !s.ok()) return s;
     counts_[slot] = samples;
+    profiled_[slot] = options_.profile;
     last_samples_ = samples;
     ++next_;
     return {};
@@ -179,7 +183,7 @@ class GpuRank {
       tokens[i] = results_[slot].data()[i].token;
       logprobs[i] = results_[slot].data()[i].logprob;
     }
-    if (options_.profile)
+    if (profiled_[slot])
       if (const cellkv::Status s = time_step(slot); !s.ok()) return s;
     ++head_;
     return {};
@@ -199,7 +203,8 @@ class GpuRank {
     cellkv::gpu::DeviceBuffer<T> attn_norm, wqkv, wo, ffn_norm, w13, w2;  // transposed [out, in]
   };
 
-  // Byte offsets of the step block (the same on the host staging and the device copy):
+  // Byte offsets of the step block (the same on the host staging and the device copy), for W rows
+  // (max_width, at least kGemvRows: GEMV padding rows read positions too):
   //   count int32 (R) | tokens [W] | positions [W] | from [W] (deferred source or -1) | rows [W] |
   //   params SampleRow [W]; a step copies up to params + R rows.
   struct BlockLayout {
@@ -262,13 +267,14 @@ class GpuRank {
       ++stats_.eager;
       return forward_and_sample(width);
     }
-    auto it = graphs_.find(width);
-    if (it == graphs_.end()) {
+    auto& graphs = graphs_[options_.profile ? 1 : 0];
+    auto it = graphs.find(width);
+    if (it == graphs.end()) {
       cellkv::Status inside;
       cellkv::gpu::GraphExec g =
           cellkv::gpu::capture(::cuda::stream_ref(stream_), [&] { inside = forward_and_sample(width); });
       if (!inside.ok()) return inside;
-      it = graphs_.emplace(width, std::move(g)).first;
+      it = graphs.emplace(width, std::move(g)).first;
       ++stats_.captures;
     }
     ++stats_.replays;
@@ -307,7 +313,7 @@ class GpuRank {
     phases_.sampling_ms += ms;
     CELLKV_CUDA_STATUS(cudaEventElapsedTime(&ms, t.sampled.get(), t.copied.get()));
     phases_.copy_ms += ms;
-    if (head_ > 0 && phases_.steps > 0) {
+    if (head_ > 0 && phases_.steps > 0 && profiled_[(head_ - 1) % kSlots]) {
       CELLKV_CUDA_STATUS(cudaEventElapsedTime(&ms, timing_[(head_ - 1) % kSlots].copied.get(), t.begin.get()));
       phases_.idle_ms += std::max(ms, 0.f);
     }
@@ -516,7 +522,6 @@ class GpuRank {
       std::memset(staging_[s].data(), 0, block_.bytes);
       results_[s] = cellkv::gpu::PinnedBuffer<cellkv::batching::SampledOut>(static_cast<std::size_t>(max_width_));
     }
-    if (options_.profile) timing_ = std::vector<Timing>(kSlots);
   }
 
   Config c_;
@@ -540,11 +545,12 @@ class GpuRank {
   std::array<cellkv::gpu::PinnedBuffer<std::byte>, kSlots> staging_;
   std::array<cellkv::gpu::PinnedBuffer<cellkv::batching::SampledOut>, kSlots> results_;
   std::array<cellkv::gpu::Event, kSlots> done_;
-  std::vector<Timing> timing_;  // kSlots sets when profiling
+  std::vector<Timing> timing_ = std::vector<Timing>(kSlots);
+  std::array<bool, kSlots> profiled_{};  // the slot's step was profiled
   std::array<std::int32_t, kSlots> counts_{};
   std::int32_t last_samples_ = 0;  // sampled rows of the last step enqueued
   std::uint64_t head_ = 0, next_ = 0;  // steps retired, steps enqueued
-  std::map<std::int32_t, cellkv::gpu::GraphExec> graphs_;
+  std::array<std::map<std::int32_t, cellkv::gpu::GraphExec>, 2> graphs_;  // by width: with the sampler, without
   GraphStats stats_;
   PhaseTimes phases_;
 };
