@@ -348,17 +348,18 @@ def report(path):
                 gpu = (f"{r['gpu_upload_ms']:.3f} / {r['gpu_forward_ms']:.3f} / {r['gpu_sampling_ms']:.3f} / "
                        f"{r['gpu_copy_ms']:.3f} / {r['gpu_idle_ms']:.3f}")
                 floor = f"{r['floor_ms']:.3f}"
-                frac = f"{100 * r['fraction_of_floor']:.0f}%"
+                frac = f"{100 * r['fraction_of_floor']:.0f}% ({100 * r.get('fraction_of_roofline', 0):.0f}% of roofline)"
                 if n == 256:
                     verdicts.append((f"256 sessions {impl} >= 40% of floor", r["fraction_of_floor"] >= 0.4))
                 verdicts.append((f"{n} sessions {impl} tokens/step == {n}", abs(r["tokens_per_step"] - n) < 1e-9))
             out.append(f"| {n} | {impl} | {r['metric']:.0f} | {ratio} | {r.get('tokens_per_step', n):.0f} | "
                        f"{r['ms_per_step']:.3f} | {host} | {gpu} | {floor} | {frac} |")
     out.append("")
-    out.append("floor: max(bytes / 4.2 TB/s, FLOPs / 780 TFLOP/s) for one decode step: bytes = bf16 weights read once "
+    out.append("floor: bytes / 4.2 TB/s + FLOPs / 780 TFLOP/s for one decode step: bytes = bf16 weights read once "
                "+ every live K/V row read once (mean context of the timed steps); FLOPs = 2 x parameters x sessions "
-               "+ attention. GPU phases from a second timed pass with events between phases (the sampler then runs "
-               "outside the graph); host times from the plain pass.")
+               "+ attention (the JSON lines also give the roofline, max of the two, and the fraction of it). GPU "
+               "phases from a second timed pass with events between phases (the sampler then runs outside the "
+               "graph); host times from the plain pass.")
     for what, ok in verdicts:
         out.append(f"- {'PASS' if ok else 'MISS'}: {what}")
     print("\n".join(out))

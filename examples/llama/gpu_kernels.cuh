@@ -171,9 +171,11 @@ enum class Out : std::uint8_t {
   swiglu,       // pairs (w1, w3) -> a[b, n / 2]
 };
 
-// Weight rows per warp: 4 for the long LM head (fewer blocks staging the rows), else 1.
+// Weight rows per warp: several where N is long (W13, the LM head; Q/K/V), so that each row of x
+// read from shared memory feeds several weight rows and fewer blocks stage the rows; 1 for the
+// N = dim products (Wo, W2), which need their blocks to fill the GPU.
 template <Out kOut>
-inline constexpr int kPerWarp = kOut == Out::store_float ? 4 : 1;
+inline constexpr int kPerWarp = kOut == Out::store_float || kOut == Out::swiglu ? 4 : kOut == Out::qkv_rope ? 2 : 1;
 
 template <class T>
 struct Args {
