@@ -1,15 +1,27 @@
-// serve_bench: end-to-end decode throughput of the example model (bf16, cuBLAS, CUDA graphs,
-// cellkv's fast attention) against the number of concurrent sessions, for both layouts. Each
-// session first feeds a 128-token prompt (untimed); then 64 decode steps are timed, one token per
-// session per step. Prints JSON lines and a table on stderr. Not a test.
+// serve_bench: end-to-end decode throughput of the example model (bf16, skinny GEMV or cuBLAS,
+// CUDA graphs, cellkv's fast attention, greedy sampling on the device, steps overlapped) against
+// the number of concurrent sessions, for both layouts. Each session first feeds a 128-token prompt
+// (untimed; the executor's steps are wide enough, max(256, 2 N) tokens, that every prompt is in
+// within about 128 steps, and each session's budget covers what it generates meanwhile); then
+// decode steps are timed in which all N sessions generate, one token each per step (checked).
+// A second timed pass with per-phase events gives the breakdown of a step. Not a test.
 //
-//   build/benchmarks/cellkv-bench-serve [--quick] [--out FILE]
+// Output: JSON lines (work "serve", shape "N sessions", impl cellkv_cell_clustered or
+// cellkv_sequence, metric tokens/s, plus the breakdown fields) on stdout or --out FILE, and a
+// table on stderr. --weights-out FILE writes the weights (bf16, the order of llama::Weights) and
+// FILE.json the config, for the PyTorch peer (serve_peer.py).
+//
+//   build/benchmarks/cellkv-bench-serve [--quick] [--out FILE] [--weights-out FILE] [--sessions 1,16,...]
 #include <cellkv/batching/executor.hpp>
 #include <cellkv/cuda/device_cache.cuh>
 #include <cellkv/cuda/stream.hpp>
 
+#include <cuda_bf16.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -20,22 +32,118 @@
 namespace {
 
 using Model = cellkv::Windows<0, 0, 0, 0, 0, 0, 0, 0>;
-constexpr std::int32_t kPrompt = 128, kDecode = 64;
+constexpr std::int32_t kPrompt = 128, kMaxLen = 384, kWarmup = 3, kTimed = 64, kProfiled = 32;
+constexpr double kCopyTBs = 4.2, kGemmTFLOPs = 780.0;  // the H200's measured ceilings
 
 const llama::Config kConfig{.vocab = 16384, .dim = 1024, .layers = 8, .heads_q = 16, .heads_kv = 4, .head_dim = 64,
                             .ffn = 2816};
 
+struct Row {
+  bench::DecodeRun run;
+  llama::PhaseTimes phases;  // of the profiled pass
+  double profiled_ms_per_step = 0;
+};
+
 template <class Cache>
-double tokens_per_second(const llama::Weights& weights, std::int32_t sessions, std::int32_t max_len_per_seq) {
-  const cellkv::CacheConfig config{.max_write = 256, .max_cells = sessions * max_len_per_seq + 256, .max_seqs = sessions,
-                                   .max_len = max_len_per_seq};
+Row measure(const llama::Weights& weights, std::int32_t sessions) {
+  const std::int32_t max_write = std::max(256, 2 * sessions);
+  const cellkv::CacheConfig config{.max_write = max_write, .max_cells = sessions * kMaxLen + max_write,
+                                   .max_seqs = sessions, .max_len = kMaxLen};
   cellkv::gpu::Stream stream;
   Cache cache(config, {.layers = kConfig.layers, .heads_kv = kConfig.heads_kv, .head_dim = kConfig.head_dim,
                        .heads_q = kConfig.heads_q});
   llama::GpuLlama<Cache> model(kConfig, weights, cache, stream.get(), {.max_graph_width = 256});
   cellkv::batching::Executor exec(model, cache,
-                                  {.max_write = 256, .min_prefill_tokens = 2, .max_tokens_per_session = max_len_per_seq});
-  return bench::decode_tokens_per_second(exec, sessions, kPrompt, kDecode - 8, kConfig.vocab);
+                                  {.max_write = max_write, .min_prefill_tokens = 2, .max_tokens_per_session = kMaxLen});
+  bench::start_sessions(exec, sessions, kPrompt, kConfig.vocab);
+  Row row;
+  row.run = bench::time_decode(exec, kWarmup, kTimed);
+  model.set_profile(true);
+  (void)bench::time_decode(exec, 2, 2);  // captures the profiled graph
+  model.reset_phase_times();
+  row.profiled_ms_per_step = bench::time_decode(exec, 0, kProfiled).ms_per_step;
+  if (!exec.drain().ok()) throw std::runtime_error("drain refused");
+  row.phases = model.phase_times();
+  return row;
+}
+
+// The physical floor of one decode step of n sessions holding `context` tokens each: the bytes
+// that must move (bf16 weights read once, every live K/V row read once) at the copy rate, plus the
+// FLOPs (2 x parameters per token, attention) at the GEMM rate. The roofline (the larger of the
+// two, as if both overlapped perfectly) is reported beside it.
+struct Floor {
+  double bytes = 0, flops = 0, memory_ms = 0, compute_ms = 0;
+  [[nodiscard]] double ms() const { return memory_ms + compute_ms; }
+  [[nodiscard]] double roofline_ms() const { return std::max(memory_ms, compute_ms); }
+};
+Floor floor_of(std::int32_t n, double context) {
+  const llama::Config& c = kConfig;
+  const double per_layer = static_cast<double>(c.dim) * (c.q_width() + 2 * c.kv_width()) +
+                           static_cast<double>(c.q_width()) * c.dim + 3.0 * c.dim * c.ffn;
+  const double params = c.layers * per_layer + static_cast<double>(c.dim) * c.vocab;
+  const double kv_bytes = n * context * c.layers * 2.0 * c.kv_width() * 2.0;  // K and V, bf16
+  Floor f;
+  f.bytes = 2.0 * params + kv_bytes + n * 2.0 * c.dim;                          // + the embedding rows
+  f.flops = n * (2.0 * params + c.layers * 4.0 * context * c.q_width());       // GEMMs + attention
+  f.memory_ms = f.bytes / (kCopyTBs * 1e12) * 1e3;
+  f.compute_ms = f.flops / (kGemmTFLOPs * 1e12) * 1e3;
+  return f;
+}
+
+void report(std::FILE* out, std::int32_t n, const char* impl, const Row& r) {
+  const bench::DecodeRun& d = r.run;
+  const llama::PhaseTimes& p = r.phases;
+  const double steps = static_cast<double>(std::max<std::int64_t>(p.steps, 1));
+  const Floor f = floor_of(n, d.mean_context);
+  std::fprintf(out,
+               "{\"work\": \"serve\", \"shape\": \"%d sessions\", \"impl\": \"%s\", \"metric\": %.1f, \"unit\": \"tokens/s\", "
+               "\"tokens_per_step\": %.2f, \"ms_per_step\": %.4f, \"mean_context\": %.1f, "
+               "\"host_plan_ms\": %.4f, \"host_enqueue_ms\": %.4f, \"host_wait_ms\": %.4f, \"host_resolve_ms\": %.4f, "
+               "\"gpu_upload_ms\": %.4f, \"gpu_forward_ms\": %.4f, \"gpu_sampling_ms\": %.4f, \"gpu_copy_ms\": %.4f, "
+               "\"gpu_idle_ms\": %.4f, \"profiled_ms_per_step\": %.4f, \"floor_ms\": %.4f, \"floor_memory_ms\": %.4f, "
+               "\"floor_compute_ms\": %.4f, \"fraction_of_floor\": %.3f, \"floor_roofline_ms\": %.4f, "
+               "\"fraction_of_roofline\": %.3f}\n",
+               n, impl, d.tokens_per_second, d.tokens_per_step, d.ms_per_step, d.mean_context, d.plan_ms, d.enqueue_ms,
+               d.wait_ms, d.resolve_ms, p.upload_ms / steps, p.forward_ms / steps, p.sampling_ms / steps,
+               p.copy_ms / steps, p.idle_ms / steps, r.profiled_ms_per_step, f.ms(), f.memory_ms, f.compute_ms,
+               f.ms() / d.ms_per_step, f.roofline_ms(), f.roofline_ms() / d.ms_per_step);
+  std::fflush(out);
+  std::fprintf(stderr,
+               "  %4d %-22s %10.0f tok/s %6.1f tok/step %7.3f ms/step | host plan %.3f enq %.3f wait %.3f res %.3f | "
+               "gpu up %.3f fwd %.3f smp %.3f cpy %.3f idle %.3f | floor %.3f ms (%.0f%%)\n",
+               n, impl, d.tokens_per_second, d.tokens_per_step, d.ms_per_step, d.plan_ms, d.enqueue_ms, d.wait_ms,
+               d.resolve_ms, p.upload_ms / steps, p.forward_ms / steps, p.sampling_ms / steps, p.copy_ms / steps,
+               p.idle_ms / steps, f.ms(), 100.0 * f.ms() / d.ms_per_step);
+}
+
+// The weights in bf16, the order of llama::Weights (embed; per layer attn_norm, wq, wk, wv, wo,
+// ffn_norm, w1, w3, w2; final_norm; lm_head), each matrix row-major [in, out]; FILE.json the config.
+bool write_weights(const std::string& path, const llama::Weights& w) {
+  std::FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) return false;
+  std::vector<__nv_bfloat16> buf;
+  bool ok = true;
+  auto put = [&](const std::vector<float>& v) {
+    buf.resize(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) buf[i] = __float2bfloat16(v[i]);
+    ok = ok && std::fwrite(buf.data(), sizeof(__nv_bfloat16), buf.size(), f) == buf.size();
+  };
+  put(w.embed);
+  for (const llama::LayerWeights& l : w.layers)
+    for (const auto* m : {&l.attn_norm, &l.wq, &l.wk, &l.wv, &l.wo, &l.ffn_norm, &l.w1, &l.w3, &l.w2}) put(*m);
+  put(w.final_norm);
+  put(w.lm_head);
+  ok = std::fclose(f) == 0 && ok;
+  std::FILE* j = std::fopen((path + ".json").c_str(), "w");
+  if (j == nullptr) return false;
+  const llama::Config& c = kConfig;
+  std::fprintf(j,
+               "{\"vocab\": %d, \"dim\": %d, \"layers\": %d, \"heads_q\": %d, \"heads_kv\": %d, \"head_dim\": %d, "
+               "\"ffn\": %d, \"rope_theta\": %g, \"norm_eps\": %g, \"prompt\": %d, \"max_len\": %d, \"warmup\": %d, "
+               "\"timed\": %d}\n",
+               c.vocab, c.dim, c.layers, c.heads_q, c.heads_kv, c.head_dim, c.ffn, static_cast<double>(c.rope_theta),
+               static_cast<double>(c.norm_eps), kPrompt, kMaxLen, kWarmup, kTimed);
+  return std::fclose(j) == 0 && ok;
 }
 
 }  // namespace
@@ -43,9 +151,19 @@ double tokens_per_second(const llama::Weights& weights, std::int32_t sessions, s
 int main(int argc, char** argv) {
   bool quick = false;
   std::FILE* out = stdout;
+  std::string weights_out;
+  std::vector<std::int32_t> counts = {1, 16, 64, 256};
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) out = std::fopen(argv[++i], "w");
+    if (std::strcmp(argv[i], "--weights-out") == 0 && i + 1 < argc) weights_out = argv[++i];
+    if (std::strcmp(argv[i], "--sessions") == 0 && i + 1 < argc) {
+      counts.clear();
+      for (const char* p = argv[++i]; *p != '\0';) {
+        counts.push_back(static_cast<std::int32_t>(std::strtol(p, const_cast<char**>(&p), 10)));
+        if (*p == ',') ++p;
+      }
+    }
   }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || out == nullptr) {
@@ -55,18 +173,21 @@ int main(int argc, char** argv) {
   using Cells = cellkv::gpu::DeviceCache<cellkv::layout::cell, __nv_bfloat16, Model, cellkv::placement::clustered<64>>;
   using Slots = cellkv::gpu::DeviceCache<cellkv::layout::sequence, __nv_bfloat16, Model>;
   const llama::Weights weights = llama::generate(kConfig);
-  std::fprintf(stderr, "cellkv serve benchmark: bf16 decoder, %d layers, dim %d, H_q %d, H_kv %d, D %d, vocab %d; "
-                       "prompt %d, decode steps timed\n",
-               kConfig.layers, kConfig.dim, kConfig.heads_q, kConfig.heads_kv, kConfig.head_dim, kConfig.vocab, kPrompt);
-  const std::int32_t counts[] = {1, 4, 16, 64, 256};
+  if (!weights_out.empty() && !write_weights(weights_out, weights)) {
+    std::fprintf(stderr, "cellkv-bench-serve: cannot write %s\n", weights_out.c_str());
+    return 1;
+  }
+  std::fprintf(stderr,
+               "cellkv serve benchmark: bf16 decoder, %d layers, dim %d, H_q %d, H_kv %d, D %d, ffn %d, vocab %d; prompt %d, "
+               "max_len %d; %d timed decode steps (all sessions generating), greedy on the device, steps overlapped; "
+               "breakdown per step from %d profiled steps (host ms from the timed pass)\n",
+               kConfig.layers, kConfig.dim, kConfig.heads_q, kConfig.heads_kv, kConfig.head_dim, kConfig.ffn,
+               kConfig.vocab, kPrompt, kMaxLen, kTimed, kProfiled);
   try {
     for (const std::int32_t n : counts) {
       if (quick && n > 16) break;
-      const double cells = tokens_per_second<Cells>(weights, n, 256);
-      const double slots = tokens_per_second<Slots>(weights, n, 256);
-      std::fprintf(out, "{\"work\": \"serve\", \"shape\": \"%d sessions\", \"impl\": \"cellkv_cell_clustered\", \"metric\": %.1f, \"unit\": \"tokens/s\"}\n", n, cells);
-      std::fprintf(out, "{\"work\": \"serve\", \"shape\": \"%d sessions\", \"impl\": \"cellkv_sequence\", \"metric\": %.1f, \"unit\": \"tokens/s\"}\n", n, slots);
-      std::fprintf(stderr, "  %4d sessions   cell layout %10.1f tokens/s   sequence layout %10.1f tokens/s\n", n, cells, slots);
+      report(out, n, "cellkv_cell_clustered", measure<Cells>(weights, n));
+      report(out, n, "cellkv_sequence", measure<Slots>(weights, n));
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cellkv-bench-serve: %s\n", e.what());

@@ -1,8 +1,10 @@
 // demo.hpp - the main demo, for any backend: a few dozen prompts of varied lengths served through
 // the executor with continuous batching (sessions join as others finish; some sessions are forks
-// of others, sharing their prompt's cells), a live progress line, a summary with a picture of the
+// of others, sharing their prompt's cells; every third session samples with a temperature, top-p
+// and its own seed, the others are greedy), a live progress line, a summary with a picture of the
 // cell map at its fullest, and a solo re-run of a sample of sessions that must produce the same
-// tokens as in the batch (exit 1 otherwise).
+// tokens as in the batch (exit 1 otherwise): a seeded session draws the same tokens whoever it is
+// batched with.
 #pragma once
 
 #include <cellkv/batching/executor.hpp>
@@ -32,6 +34,7 @@ struct Settings {
 struct Request {
   std::vector<std::int32_t> prompt;
   std::int32_t fork_of = -1;  // index of the request whose session it forks, or -1
+  cellkv::batching::SamplingParams sampling;  // greedy, or seeded sampling
 };
 
 // Deterministic prompts of varied lengths; every fork_every-th request forks an earlier one.
@@ -44,6 +47,7 @@ inline std::vector<Request> make_requests(const Settings& s, std::int32_t vocab)
     if (i > 0 && i % s.fork_every == 0) r.fork_of = i - 1 - next() % std::min(i, 4);
     const std::int32_t len = s.min_prompt + next() % (s.max_prompt - s.min_prompt + 1);
     for (std::int32_t t = 0; t < len; ++t) r.prompt.push_back(next() % vocab);
+    if (i % 3 == 1) r.sampling = {.temperature = 0.8f, .top_p = 0.9f, .seed = 1000 + static_cast<std::uint64_t>(i)};
     out.push_back(std::move(r));
   }
   return out;
@@ -104,14 +108,14 @@ Outcome serve(Exec& exec, const Host& host, const std::vector<Request>& requests
                         exec.sessions().is_live(id_of[static_cast<std::size_t>(r.fork_of)]);
       // A fork whose source already left runs as a fresh session with the source's prompt.
       const auto& prompt = r.fork_of >= 0 ? requests[static_cast<std::size_t>(r.fork_of)].prompt : r.prompt;
-      const auto id = fork ? exec.sessions().clone(id_of[static_cast<std::size_t>(r.fork_of)], s.max_new)
-                           : exec.sessions().add(prompt, s.max_new);
+      const auto id = fork ? exec.sessions().clone(id_of[static_cast<std::size_t>(r.fork_of)], s.max_new, r.sampling)
+                           : exec.sessions().add(prompt, s.max_new, r.sampling);
       if (!id.ok()) break;
       id_of[next++] = id.value();
     }
     const auto step = exec.step();
     if (!step.ok() && step.status() != cellkv::Errc::empty_step) {
-      std::printf("\nstep refused: %s\n", std::string(step.status().message()).c_str());
+      std::printf("\nstep refused: %s\n", step.status().message().c_str());
       break;
     }
     if (host.capacity() - host.free_cells() > fullest) {
@@ -145,8 +149,9 @@ Outcome serve(Exec& exec, const Host& host, const std::vector<Request>& requests
 
 // The tokens one session generates when it runs alone through `exec` (a fresh executor).
 template <class Exec>
-std::vector<std::int32_t> generate_alone(Exec& exec, const std::vector<std::int32_t>& prompt, std::int32_t max_new) {
-  const auto id = exec.sessions().add(prompt, max_new);
+std::vector<std::int32_t> generate_alone(Exec& exec, const std::vector<std::int32_t>& prompt, std::int32_t max_new,
+                                         const cellkv::batching::SamplingParams& sampling = {}) {
+  const auto id = exec.sessions().add(prompt, max_new, sampling);
   if (!id.ok() || !exec.run_until_idle().ok()) return {};
   const auto toks = exec.sessions().output(id.value()).value();
   return {toks.begin(), toks.end()};
@@ -160,13 +165,14 @@ int check_solo(const std::vector<Request>& requests, const Outcome& batched, con
   std::printf("\nsolo re-runs (each session alone in a fresh cache):\n");
   const auto n = static_cast<std::int32_t>(requests.size());
   for (std::int32_t k = 0; k < s.solo_checks; ++k) {
-    const std::int32_t i = k == 0 ? s.fork_every : (k * 7 + 1) % n;  // the first fork, then a spread
+    const std::int32_t i = k == 0 ? s.fork_every : k == 1 ? 1 : (k * 7 + 1) % n;  // a fork, a sampled one, a spread
     const Request& r = requests[static_cast<std::size_t>(i)];
     const std::vector<std::int32_t>& prompt = r.fork_of >= 0 ? requests[static_cast<std::size_t>(r.fork_of)].prompt : r.prompt;
-    const std::vector<std::int32_t> solo = run_solo(prompt);
+    const std::vector<std::int32_t> solo = run_solo(prompt, r.sampling);
     const bool same = solo == batched.tokens[static_cast<std::size_t>(i)];
     mismatches += same ? 0 : 1;
-    std::printf("  session %2d%s prompt %3zu tokens: %s\n", i, r.fork_of >= 0 ? " (fork)" : "       ", prompt.size(),
+    std::printf("  session %2d%s %s prompt %3zu tokens: %s\n", i, r.fork_of >= 0 ? " (fork)" : "       ",
+                r.sampling.temperature > 0.f ? "sampled" : "greedy ", prompt.size(),
                 same ? "same tokens as in the batch" : "MISMATCH");
   }
   return mismatches;

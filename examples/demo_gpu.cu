@@ -44,11 +44,12 @@ int run_gpu() {
     std::printf("  CUDA graphs: %lld captures, %lld replays, %lld eager steps\n", static_cast<long long>(g.captures),
                 static_cast<long long>(g.replays), static_cast<long long>(g.eager));
   });
-  const int mismatches = check_solo(requests, out, s, [&](const std::vector<std::int32_t>& prompt) {
+  const int mismatches = check_solo(requests, out, s, [&](const std::vector<std::int32_t>& prompt,
+                                                          const cellkv::batching::SamplingParams& sampling) {
     Cache solo_cache(cache_config, shape);
     llama::GpuLlama<Cache> solo_model(config, weights, solo_cache, stream.get());
     cellkv::batching::Executor solo(solo_model, solo_cache, s.limits);
-    return generate_alone(solo, prompt, s.max_new);
+    return generate_alone(solo, prompt, s.max_new, sampling);
   });
   std::printf("%s\n", mismatches == 0 ? "OK: every solo re-run matched the batch" : "FAILED: solo re-runs differ");
   return mismatches == 0 ? 0 : 1;

@@ -1,18 +1,93 @@
-// llama/gpu_kernels.cuh - the example decoder's small kernels: embedding, RMSNorm, RoPE, SwiGLU and
+// llama/gpu_kernels.cuh - the example decoder's kernels: embedding (with token ids sampled on the
+// device by the previous step), RMSNorm, RoPE, SwiGLU, the fused skinny GEMV of narrow steps, and
 // the sum that stands in for an all-reduce when every shard sits on one GPU.
+//
+// Weights are stored transposed, Wt [out, in] row-major (each output's weights contiguous), the
+// layout both the GEMV below and cuBLAS (as a TN product) read. Fused weights interleave where an
+// epilogue needs pairs: Wqkv = [Wq | Wk | Wv] by output, W13 = rows (w1 column j, w3 column j).
 #pragma once
 
+#include <cellkv/batching/device_sampling.cuh>
 #include <cellkv/cuda/numeric.cuh>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace llama {
 
 namespace kernels {
+
+// x[t] = table[id of token t]: the staged id, or, where from[t] >= 0, the id the previous step
+// sampled for its row from[t] (read on the device). Ids are checked on the host; one out of range
+// here (never expected) is clamped, so the kernel never reads outside the table.
 template <class T>
-__global__ void embed(const std::int32_t* tokens, const T* table, T* x, std::int32_t dim) {
-  const T* row = table + static_cast<std::int64_t>(tokens[blockIdx.x]) * dim;
+__global__ void embed(const std::int32_t* tokens, const std::int32_t* from, const cellkv::batching::SampledOut* prev,
+                      std::int32_t max_rows, const T* table, T* x, std::int32_t dim, std::int32_t vocab) {
+  const std::int32_t f = from[blockIdx.x];
+  std::int32_t id = f >= 0 && f < max_rows ? prev[f].token : tokens[blockIdx.x];
+  id = id < 0 ? 0 : id >= vocab ? vocab - 1 : id;
+  const T* row = table + static_cast<std::int64_t>(id) * dim;
   for (int i = threadIdx.x; i < dim; i += blockDim.x) x[static_cast<std::int64_t>(blockIdx.x) * dim + i] = row[i];
+}
+
+// The rotation of pair i of a head at position pos: (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos),
+// angle pos * theta^(-2i / D).
+__device__ __forceinline__ void rope_pair(float x0, float x1, float pos, int i, int head_dim, float theta, float& y0,
+                                          float& y1) {
+  const float a = pos * powf(theta, -2.f * static_cast<float>(i) / static_cast<float>(head_dim));
+  float sn = 0.f, cs = 0.f;
+  sincosf(a, &sn, &cs);
+  y0 = x0 * cs - x1 * sn;
+  y1 = x0 * sn + x1 * cs;
+}
+
+// One (output pair, row) of the fused Q/K/V projection: columns n, n + 1 (n even) of row b, in
+// [q (q_w) | k (kv_w) | v (kv_w)]; q and k rotated, each written to its own [rows, width] buffer.
+template <class T>
+__device__ __forceinline__ void store_qkv_pair(float y0, float y1, std::int32_t n, std::int32_t b, T* q, T* k, T* v,
+                                               const std::int32_t* positions, std::int32_t q_w, std::int32_t kv_w,
+                                               std::int32_t head_dim, float theta) {
+  T* out = nullptr;
+  std::int32_t col = n, width = q_w;
+  bool rotate = true;
+  if (n < q_w) {
+    out = q;
+  } else if (n < q_w + kv_w) {
+    out = k;
+    col = n - q_w;
+    width = kv_w;
+  } else {
+    out = v;
+    col = n - q_w - kv_w;
+    width = kv_w;
+    rotate = false;
+  }
+  if (rotate)
+    rope_pair(y0, y1, static_cast<float>(positions[b]), (col % head_dim) / 2, head_dim, theta, y0, y1);
+  out[static_cast<std::int64_t>(b) * width + col] = cellkv::gpu::from_float<T>(y0);
+  out[static_cast<std::int64_t>(b) * width + col + 1] = cellkv::gpu::from_float<T>(y1);
+}
+
+// qkv [rows, q_w + 2 kv_w] -> q, k (rotated), v; one block per row.
+template <class T>
+__global__ void rope_split(const T* qkv, T* q, T* k, T* v, const std::int32_t* positions, std::int32_t q_w,
+                           std::int32_t kv_w, std::int32_t head_dim, float theta) {
+  const std::int32_t n = q_w + 2 * kv_w;
+  const T* row = qkv + static_cast<std::int64_t>(blockIdx.x) * n;
+  for (std::int32_t c = 2 * static_cast<std::int32_t>(threadIdx.x); c < n; c += 2 * static_cast<std::int32_t>(blockDim.x))
+    store_qkv_pair(cellkv::gpu::to_float(row[c]), cellkv::gpu::to_float(row[c + 1]), c, static_cast<std::int32_t>(blockIdx.x),
+                   q, k, v, positions, q_w, kv_w, head_dim, theta);
+}
+
+// a[r, j] = silu(h13[r, 2j]) * h13[r, 2j + 1] for j < ffn: the SwiGLU of the interleaved W13 output.
+template <class T>
+__global__ void swiglu_pairs(const T* h13, T* a, std::int32_t ffn, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / ffn, j = i % ffn;
+    const float g = cellkv::gpu::to_float(h13[r * 2 * ffn + 2 * j]);
+    a[i] = cellkv::gpu::from_float<T>(g / (1.f + __expf(-g)) * cellkv::gpu::to_float(h13[r * 2 * ffn + 2 * j + 1]));
+  }
 }
 
 // y[row] = x[row] / rms(x[row]) * gain; one block of 256 threads per row.
@@ -75,5 +150,221 @@ __global__ void sum_parts(Parts<T, MaxParts> parts, std::int32_t n_parts, std::i
   }
 }
 }  // namespace kernels
+
+// ---- the skinny GEMV of narrow steps ----
+//
+// y[b, n] = sum_k x'[b, k] Wt[n, k] for rows b < B (B <= 16) and outputs n < N, where x' is x, or
+// rmsnorm(x) * gain (rounded to T, as the RMSNorm kernel does) when a gain is given. One block of 8
+// warps computes 8 R consecutive outputs for all B rows: the rows sit in shared memory, each warp
+// streams R weight rows once (16-byte loads) and keeps R B sums; the epilogue sees the block's
+// outputs x B tile. Each row's sum is accumulated in the same order whatever B is, so a row's
+// result does not depend on the rows batched with it.
+namespace gemv {
+
+inline constexpr int kWarps = 8;
+inline constexpr int kThreads = kWarps * 32;
+
+enum class Out : std::uint8_t {
+  store,        // y[b, n] (+)= acc, T
+  store_float,  // yf[b, n] = acc, float (logits)
+  qkv_rope,     // pairs into q, k (rotated), v
+  swiglu,       // pairs (w1, w3) -> a[b, n / 2]
+};
+
+// Weight rows per warp: several where N is long (W13, the LM head; Q/K/V), so that each row of x
+// read from shared memory feeds several weight rows and fewer blocks stage the rows; 1 for the
+// N = dim products (Wo, W2), which need their blocks to fill the GPU.
+template <Out kOut>
+inline constexpr int kPerWarp = kOut == Out::store_float || kOut == Out::swiglu ? 4 : kOut == Out::qkv_rope ? 2 : 1;
+
+template <class T>
+struct Args {
+  const T* x = nullptr;     // [B, k] rows, row stride k
+  const T* gain = nullptr;  // [k] RMSNorm gain, or nullptr: x as it is
+  float eps = 0.f;
+  const T* wt = nullptr;    // [n, k]
+  std::int32_t n = 0, k = 0;
+  // store / store_float
+  T* y = nullptr;
+  float* yf = nullptr;
+  std::int32_t ld = 0;      // row stride of y / yf
+  bool accumulate = false;
+  // qkv_rope
+  T* q = nullptr;
+  T* kk = nullptr;
+  T* v = nullptr;
+  const std::int32_t* positions = nullptr;
+  std::int32_t q_w = 0, kv_w = 0, head_dim = 0;
+  float theta = 0.f;
+  // swiglu
+  T* a = nullptr;
+  std::int32_t ffn = 0;
+};
+
+template <class T>
+inline constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
+
+template <class T>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[kVec<T>], bool global) {
+  int4 raw;
+  if (global) raw = __ldg(reinterpret_cast<const int4*>(p));
+  else raw = *reinterpret_cast<const int4*>(p);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int j = 0; j < kVec<T>; ++j) out[j] = cellkv::gpu::to_float(e[j]);
+}
+
+template <class T, int B, Out kOut, bool kNorm>
+__global__ void __launch_bounds__(kThreads) gemv(Args<T> a) {
+  constexpr int R = kPerWarp<kOut>;
+  constexpr int kOutputs = kWarps * R;  // outputs per block; warp w has outputs w, w + 8, ...
+  extern __shared__ int4 gemv_smem[];
+  T* xs = reinterpret_cast<T*>(gemv_smem);  // [B, k]
+  __shared__ float tile[kOutputs][B];
+  __shared__ float inv_rms[B];
+  const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
+  const std::int32_t k = a.k;
+  if constexpr (kNorm) {
+    for (int b = warp; b < B; b += kWarps) {
+      const T* row = a.x + static_cast<std::int64_t>(b) * k;
+      float ss = 0.f;
+      for (std::int32_t i = lane; i < k; i += 32) ss += cellkv::gpu::to_float(row[i]) * cellkv::gpu::to_float(row[i]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) inv_rms[b] = rsqrtf(ss / static_cast<float>(k) + a.eps);
+    }
+    __syncthreads();
+  }
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < B * k; i += kThreads * kVec<T>) {
+    if constexpr (kNorm) {
+      const std::int32_t b = i / k, c = i % k;
+      float v[kVec<T>], g[kVec<T>];
+      load_vec(a.x + i, v, true);
+      load_vec(a.gain + c, g, true);
+      alignas(16) T out[kVec<T>];
+#pragma unroll
+      for (int j = 0; j < kVec<T>; ++j) out[j] = cellkv::gpu::from_float<T>(v[j] * inv_rms[b] * g[j]);
+      *reinterpret_cast<int4*>(xs + i) = *reinterpret_cast<const int4*>(out);
+    } else {
+      *reinterpret_cast<int4*>(xs + i) = __ldg(reinterpret_cast<const int4*>(a.x + i));
+    }
+  }
+  __syncthreads();
+  const std::int32_t n0 = static_cast<std::int32_t>(blockIdx.x) * kOutputs;
+  float acc[R][B];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
+  const T* w[R];
+  bool live[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const std::int32_t n = n0 + warp + r * kWarps;
+    live[r] = n < a.n;
+    w[r] = a.wt + static_cast<std::int64_t>(live[r] ? n : 0) * k;
+  }
+#pragma unroll 2
+  for (std::int32_t c = lane * kVec<T>; c < k; c += 32 * kVec<T>) {
+    float wv[R][kVec<T>];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (live[r]) load_vec(w[r] + c, wv[r], true);
+      else
+#pragma unroll
+        for (int j = 0; j < kVec<T>; ++j) wv[r][j] = 0.f;
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      float xv[kVec<T>];
+      load_vec(xs + b * k + c, xv, false);
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < kVec<T>; ++j) acc[r][b] = fmaf(xv[j], wv[r][j], acc[r][b]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) acc[r][b] += __shfl_xor_sync(0xffffffffu, acc[r][b], o);
+    }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int b = 0; b < B; ++b) tile[warp + r * kWarps][b] = acc[r][b];
+  }
+  __syncthreads();
+  if constexpr (kOut == Out::store || kOut == Out::store_float) {
+    for (int t = static_cast<int>(threadIdx.x); t < kOutputs * B; t += kThreads) {
+      const int o = t % kOutputs, b = t / kOutputs;
+      const std::int32_t nn = n0 + o;
+      if (nn >= a.n) continue;
+      const std::int64_t at = static_cast<std::int64_t>(b) * a.ld + nn;
+      if constexpr (kOut == Out::store_float) {
+        a.yf[at] = tile[o][b];
+      } else {
+        const float base = a.accumulate ? cellkv::gpu::to_float(a.y[at]) : 0.f;
+        a.y[at] = cellkv::gpu::from_float<T>(base + tile[o][b]);
+      }
+    }
+  } else {
+    for (int t = static_cast<int>(threadIdx.x); t < (kOutputs / 2) * B; t += kThreads) {
+      const int p = t % (kOutputs / 2), b = t / (kOutputs / 2);
+      const std::int32_t nn = n0 + 2 * p;
+      if (nn >= a.n) continue;  // n is even: a pair never straddles the end
+      const float y0 = tile[2 * p][b], y1 = tile[2 * p + 1][b];
+      if constexpr (kOut == Out::qkv_rope) {
+        kernels::store_qkv_pair(y0, y1, nn, b, a.q, a.kk, a.v, a.positions, a.q_w, a.kv_w, a.head_dim, a.theta);
+      } else {
+        a.a[static_cast<std::int64_t>(b) * a.ffn + nn / 2] = cellkv::gpu::from_float<T>(y0 / (1.f + __expf(-y0)) * y1);
+      }
+    }
+  }
+}
+
+// Shared memory of a launch: the B rows.
+template <class T>
+constexpr std::size_t smem_bytes(int rows, std::int32_t k) {
+  return static_cast<std::size_t>(rows) * static_cast<std::size_t>(k) * sizeof(T);
+}
+
+// Whether the GEMV serves k (16-byte rows) for `rows` rows within `limit` bytes of shared memory.
+template <class T>
+constexpr bool fits(int rows, std::int32_t k, int limit) {
+  return k % kVec<T> == 0 && smem_bytes<T>(rows, k) + 4096 <= static_cast<std::size_t>(limit);
+}
+
+template <class T, int B, Out kOut, bool kNorm>
+cudaError_t launch_rows(const Args<T>& a, cudaStream_t stream) {
+  const std::size_t bytes = smem_bytes<T>(B, a.k);
+  if (bytes > 48 * 1024) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(gemv<T, B, kOut, kNorm>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (e != cudaSuccess) return e;
+  }
+  constexpr int kOutputs = kWarps * kPerWarp<kOut>;
+  const unsigned blocks = static_cast<unsigned>((a.n + kOutputs - 1) / kOutputs);
+  gemv<T, B, kOut, kNorm><<<blocks, kThreads, bytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Launches the GEMV for `rows` rows (1, 2, 4, 8 or 16; rows past the step's are padding).
+template <class T, Out kOut, bool kNorm>
+cudaError_t launch(const Args<T>& a, int rows, cudaStream_t stream) {
+  switch (rows) {
+    case 1: return launch_rows<T, 1, kOut, kNorm>(a, stream);
+    case 2: return launch_rows<T, 2, kOut, kNorm>(a, stream);
+    case 4: return launch_rows<T, 4, kOut, kNorm>(a, stream);
+    case 8: return launch_rows<T, 8, kOut, kNorm>(a, stream);
+    case 16: return launch_rows<T, 16, kOut, kNorm>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace gemv
 
 }  // namespace llama

@@ -1,6 +1,8 @@
 // llama/gpu_llama.cuh - the example decoder on one GPU: a DeviceCache and one GpuRank holding the
-// whole model (gpu_rank.cuh has the forward and the CUDA-graph policy). Satisfies
-// cellkv::batching::Model. tp_llama.cuh is the same model split over several GPUs.
+// whole model (gpu_rank.cuh has the forward, the device sampler and the CUDA-graph policy).
+// Satisfies cellkv::batching::Model: forward() enqueues a step on the model's stream and returns;
+// retire() waits for the oldest step's sampled ids. tp_llama.cuh is the same model split over
+// several GPUs.
 #pragma once
 
 #include <cellkv/batching/model.hpp>
@@ -9,7 +11,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstring>
 #include <span>
 
 #include "config.hpp"
@@ -28,19 +29,26 @@ class GpuLlama {
   [[nodiscard]] std::int32_t vocab() const { return c_.vocab; }
   [[nodiscard]] std::int32_t min_prefill_tokens() const { return 2; }
   [[nodiscard]] const GraphStats& graph_stats() const { return rank_.graph_stats(); }
+  // GPU time per phase of the steps retired so far (GpuOptions::profile), and its reset.
+  [[nodiscard]] const PhaseTimes& phase_times() const { return rank_.phase_times(); }
+  void reset_phase_times() { rank_.reset_phase_times(); }
+  void set_profile(bool on) { rank_.set_profile(on); }
 
-  cellkv::Status forward(const cellkv::batching::ForwardStep& step, std::span<float> logits) {
+  // Enqueues the step (token ids and sampling rows up, the cache's upload, the forward and the
+  // sampler, the cache's commit, the sampled ids down); does not wait for it.
+  cellkv::Status forward(const cellkv::batching::ForwardStep& step) {
     const std::int32_t width = rank_.width_for(static_cast<std::int32_t>(step.tokens.size()));
-    const ::cuda::stream_ref stream(rank_.stream());
-    if (const cellkv::Status s = rank_.stage(step, width); !s.ok()) return s;
-    if (const cellkv::Status s = cache_.upload(stream, width); !s.ok()) return s;
-    if (const cellkv::Status s = rank_.run(width); !s.ok()) return s;
-    if (const cellkv::Status s = cache_.commit(stream); !s.ok()) return s;
-    if (const cellkv::Status s = rank_.fetch_logits(step.logit_rows); !s.ok()) return s;
-    CELLKV_CUDA_STATUS(cudaStreamSynchronize(rank_.stream()));
-    std::memcpy(logits.data(), rank_.logits(), step.logit_rows.size() * static_cast<std::size_t>(c_.vocab) * sizeof(float));
-    return {};
+    return rank_.step(
+        step, width, [&](::cuda::stream_ref s) { return cache_.upload(s, width); },
+        [&](::cuda::stream_ref s) { return cache_.commit(s); });
   }
+
+  cellkv::Status retire(std::span<std::int32_t> tokens, std::span<float> logprobs) {
+    return rank_.retire(tokens, logprobs);
+  }
+
+  // The logits of row `row` of the last step; waits for the stream (tests).
+  cellkv::Status copy_logits(std::int32_t row, std::span<float> out) const { return rank_.copy_logits(row, out); }
 
  private:
   Config c_;

@@ -1,21 +1,37 @@
-// llama/gpu_rank.cuh - one GPU's part of the example decoder: cuBLAS GEMMs (T inputs, fp32
-// accumulation), the small kernels of gpu_kernels.cuh and cellkv's update_and_attend per layer, on
-// the heads and MLP columns of its shard (the whole model when G = 1).
+// llama/gpu_rank.cuh - one GPU's part of the example decoder: the forward over its heads and MLP
+// columns (the whole model when G = 1) and, on rank 0, the sampling of the step's logit rows on the
+// device (cellkv::batching::launch_sampler), so that only sampled ids come back to the host.
 //
 // Per layer: h = rmsnorm(x); q, k, v = h Wq_g, h Wk_g, h Wv_g; RoPE; attn = update_and_attend;
 // x = all_reduce(x + attn Wo_g) (rank 0 adds the residual, other ranks contribute attn Wo_g only);
-// h = rmsnorm(x); x = all_reduce(x + swiglu(h W1_g, h W3_g) W2_g), likewise. Logits on rank 0.
+// h = rmsnorm(x); x = all_reduce(x + swiglu(h W1_g, h W3_g) W2_g), likewise. Logits on rank 0:
+// rmsnorm(x) W_lm, then the sampler.
+//
+// Two ways to run a step of `width` rows (weights stored transposed and fused, gpu_kernels.cuh):
+//  - width <= max_gemv_width: the skinny GEMV, with RMSNorm fused into the Q/K/V, W13 and LM-head
+//    products, RoPE and the Q/K/V split into the first, SwiGLU into the second and the residual
+//    into Wo and W2: 4 kernels a layer besides attention, each weight read once per step;
+//  - wider: cuBLAS (fp32 accumulation) for the fused Q/K/V, Wo, W13, W2 and LM-head products, with
+//    RMSNorm, RoPE/split and SwiGLU kernels between them.
 //
 // CUDA graphs: a step of T tokens runs at width 1 (T == 1) or the next power of two >= T up to
-// max_graph_width; each width is captured once (the forward reads only fixed-address buffers:
-// token ids, positions, the cache's step buffers), then replayed for every later step of that
-// width, whatever the mix of sessions. Padding rows write the pool's scratch row and see nothing;
-// their logits are never read. Wider steps, and every step when the all-reduce cannot be captured,
-// run eagerly.
+// max_graph_width; each width is captured once (the forward reads only fixed-address buffers: the
+// step block of token ids, positions, deferred-id sources and sampling rows, the ids sampled by the
+// previous step, the cache's step buffers), then replayed for every later step of that width,
+// whatever the mix of sessions. Padding rows write the pool's scratch row and see nothing; their
+// outputs are never read. Wider steps, and every step when the all-reduce cannot be captured, run
+// eagerly.
+//
+// Per step, on the rank's stream: one copy of the step block up, the cache's upload, the forward
+// (+ sampler), the cache's commit, one copy of the sampled ids down, an event. Nothing waits on the
+// host: retire() waits for the oldest step's event (at most kSlots - 1 steps in flight). With
+// GpuOptions::profile, events between the phases time each step (the sampler then runs outside
+// the graph, so its time can be told apart).
 //
 // Every call runs on the calling thread's current device, which must be the rank's device.
 #pragma once
 
+#include <cellkv/batching/device_sampling.cuh>
 #include <cellkv/batching/model.hpp>
 #include <cellkv/cuda/graph.hpp>
 #include <cellkv/cuda/memory.hpp>
@@ -25,7 +41,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <span>
 #include <stdexcept>
@@ -46,10 +64,20 @@ namespace llama {
 struct GpuOptions {
   std::int32_t max_graph_width = 64;  // widths above run eagerly
   bool graphs = true;
+  std::int32_t max_gemv_width = 16;   // widths up to this (<= 16) run the fused skinny GEMV; 0: cuBLAS only
+  bool profile = false;               // time each step's phases (phase_times()); also set_profile()
 };
 
 struct GraphStats {
   std::int64_t captures = 0, replays = 0, eager = 0;
+};
+
+// GPU time of the profiled steps, in milliseconds, summed: step block and cache upload; forward;
+// sampling; the copy of the sampled ids; and the time the stream sat idle before a step began
+// after the previous one ended (the host was late).
+struct PhaseTimes {
+  std::int64_t steps = 0;
+  double upload_ms = 0, forward_ms = 0, sampling_ms = 0, copy_ms = 0, idle_ms = 0;
 };
 
 // Attention: what the rank attends through (a DeviceCache or one DeviceShard of a ShardedCache):
@@ -58,28 +86,45 @@ template <class Attention>
 class GpuRank {
  public:
   using T = typename Attention::Element;
+  static constexpr int kSlots = 3;     // steps whose staging, results and events are kept
+  static constexpr int kGemvRows = 16;  // the widest GEMV step
 
   // config, weights: this rank's slice (shard_config / shard_weights; the whole model for G = 1).
   // reduce: the all-reduce over ranks, nullptr for one GPU. Throws on a CUDA or cuBLAS failure.
   GpuRank(const Config& config, const Weights& weights, const Attention& attention, std::int32_t rank,
           std::int32_t max_width, cudaStream_t stream, AllReduce<T>* reduce, GpuOptions options)
-      : c_(config), attention_(attention), rank_(rank), max_width_(max_width), stream_(stream), reduce_(reduce),
-        options_(options) {
+      : c_(config), attention_(attention), rank_(rank), max_width_(max_width),
+        rows_(std::max(max_width, static_cast<std::int32_t>(kGemvRows))), stream_(stream), reduce_(reduce),
+        options_(options), block_(rows_) {
     if (reduce_ != nullptr && !reduce_->capturable()) options_.graphs = false;
+    options_.max_gemv_width = std::clamp(options_.max_gemv_width, 0, static_cast<std::int32_t>(kGemvRows));
     if (cublasCreate(&blas_) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasCreate failed");
     workspace_ = cellkv::gpu::DeviceBuffer<std::byte>(32u << 20);
     if (cublasSetStream(blas_, stream_) != CUBLAS_STATUS_SUCCESS ||
         cublasSetWorkspace(blas_, workspace_.data(), workspace_.size()) != CUBLAS_STATUS_SUCCESS)
       throw std::runtime_error("cuBLAS setup failed");
+    int device = 0;
+    CELLKV_CUDA_THROW(cudaGetDevice(&device));
+    CELLKV_CUDA_THROW(cudaDeviceGetAttribute(&smem_limit_, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     upload_weights(weights);
     allocate();
   }
   GpuRank(const GpuRank&) = delete;
   GpuRank& operator=(const GpuRank&) = delete;
-  ~GpuRank() { (void)cublasDestroy(blas_); }
+  // Waits for the steps in flight (their events, never the stream, which may be gone).
+  ~GpuRank() {
+    for (const cellkv::gpu::Event& e : done_) (void)e.synchronize();
+    (void)cublasDestroy(blas_);
+  }
 
   [[nodiscard]] const GraphStats& graph_stats() const { return stats_; }
+  [[nodiscard]] const PhaseTimes& phase_times() const { return phases_; }
+  void reset_phase_times() { phases_ = {}; }
+  // Times the phases of the steps enqueued from now on (or stops). Profiled steps replay graphs
+  // captured without the sampler, which then runs as its own launch between two events.
+  void set_profile(bool on) { options_.profile = on; }
   [[nodiscard]] cudaStream_t stream() const { return stream_; }
+  [[nodiscard]] std::int32_t in_flight() const { return static_cast<std::int32_t>(next_ - head_); }
 
   // The width a step of t tokens runs at (graph buckets; see the file comment).
   [[nodiscard]] std::int32_t width_for(std::int32_t t) const {
@@ -89,15 +134,130 @@ class GpuRank {
     return std::min(w, max_width_) >= t ? std::min(w, max_width_) : t;
   }
 
-  // Enqueues the copy of the step's token ids and positions (padding rows: token 0, position 0).
-  cellkv::Status stage(const cellkv::batching::ForwardStep& step, std::int32_t width) {
-    const auto tokens = static_cast<std::int32_t>(step.tokens.size());
-    for (std::int32_t t = 0; t < width; ++t) {
-      staging_ids_.data()[t] = t < tokens ? step.tokens[static_cast<std::size_t>(t)] : 0;
-      staging_ids_.data()[max_width_ + t] = t < tokens ? step.positions[static_cast<std::size_t>(t)] : 0;
+  // Enqueues one step at `width`: the step block, upload(stream) (the cache's upload at this
+  // width), the forward, the sampling of step.logit_rows (rank 0), commit(stream), the copy of the
+  // sampled ids. Refuses (bad_argument, nothing enqueued) widths outside [T, max_width], sizes that
+  // disagree, a deferred id whose source the previous step did not sample, or kSlots - 1 steps
+  // already in flight; passes on the refusals of upload, commit and the forward.
+  template <class Upload, class Commit>
+  cellkv::Status step(const cellkv::batching::ForwardStep& step, std::int32_t width, Upload&& upload, Commit&& commit) {
+    if (const cellkv::Status s = check(step, width); !s.ok()) return s;
+    const std::size_t slot = next_ % kSlots;
+    const auto samples = static_cast<std::int32_t>(step.logit_rows.size());
+    if (options_.profile) CELLKV_CUDA_STATUS(cudaEventRecord(timing_[slot].begin.get(), stream_));
+    stage(step, width, slot);
+    CELLKV_CUDA_STATUS(cudaMemcpyAsync(block_dev_.data(), staging_[slot].data(), block_.bytes_for(samples),
+                                       cudaMemcpyHostToDevice, stream_));
+    if (const cellkv::Status s = upload(::cuda::stream_ref(stream_)); !s.ok()) return s;
+    if (options_.profile) CELLKV_CUDA_STATUS(cudaEventRecord(timing_[slot].uploaded.get(), stream_));
+    if (const cellkv::Status s = run(width); !s.ok()) return s;
+    if (options_.profile) {
+      CELLKV_CUDA_STATUS(cudaEventRecord(timing_[slot].forward.get(), stream_));
+      if (rank_ == 0)
+        if (const cellkv::Status s = sample(width); !s.ok()) return s;
+      CELLKV_CUDA_STATUS(cudaEventRecord(timing_[slot].sampled.get(), stream_));
     }
-    CELLKV_CUDA_STATUS(cudaMemcpyAsync(ids_.data(), staging_ids_.data(), ids_.bytes(), cudaMemcpyHostToDevice, stream_));
+    if (const cellkv::Status s = commit(::cuda::stream_ref(stream_)); !s.ok()) return s;
+    if (rank_ == 0 && samples > 0)
+      CELLKV_CUDA_STATUS(cudaMemcpyAsync(results_[slot].data(), sampled_.data(),
+                                         static_cast<std::size_t>(samples) * sizeof(cellkv::batching::SampledOut),
+                                         cudaMemcpyDeviceToHost, stream_));
+    if (options_.profile) CELLKV_CUDA_STATUS(cudaEventRecord(timing_[slot].copied.get(), stream_));
+    if (const cellkv::Status s = done_[slot].record(::cuda::stream_ref(stream_)); !s.ok()) return s;
+    counts_[slot] = samples;
+    profiled_[slot] = options_.profile;
+    last_samples_ = samples;
+    ++next_;
     return {};
+  }
+
+  // Waits for the oldest step in flight and writes its sampled ids and log-probs (rank 0).
+  // Refuses bad_argument when no step is in flight or a size differs from its sampled rows.
+  cellkv::Status retire(std::span<std::int32_t> tokens, std::span<float> logprobs) {
+    if (head_ == next_) return cellkv::Errc::bad_argument;
+    const std::size_t slot = head_ % kSlots;
+    const auto n = static_cast<std::size_t>(counts_[slot]);
+    if (tokens.size() != n || logprobs.size() != n) return cellkv::Errc::bad_argument;
+    if (const cellkv::Status s = done_[slot].synchronize(); !s.ok()) return s;
+    for (std::size_t i = 0; i < n; ++i) {
+      tokens[i] = results_[slot].data()[i].token;
+      logprobs[i] = results_[slot].data()[i].logprob;
+    }
+    if (profiled_[slot])
+      if (const cellkv::Status s = time_step(slot); !s.ok()) return s;
+    ++head_;
+    return {};
+  }
+
+  // Waits for the stream and copies the logits of `row` of the last step (tests).
+  cellkv::Status copy_logits(std::int32_t row, std::span<float> out) const {
+    if (row < 0 || row >= max_width_ || out.size() != static_cast<std::size_t>(c_.vocab)) return cellkv::Errc::bad_argument;
+    CELLKV_CUDA_STATUS(cudaStreamSynchronize(stream_));
+    CELLKV_CUDA_STATUS(cudaMemcpy(out.data(), logits_.data() + static_cast<std::size_t>(row) * c_.vocab,
+                                  out.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return {};
+  }
+
+ private:
+  struct Layer {
+    cellkv::gpu::DeviceBuffer<T> attn_norm, wqkv, wo, ffn_norm, w13, w2;  // transposed [out, in]
+  };
+
+  // Byte offsets of the step block (the same on the host staging and the device copy), for W rows
+  // (max_width, at least kGemvRows: GEMV padding rows read positions too):
+  //   count int32 (R) | tokens [W] | positions [W] | from [W] (deferred source or -1) | rows [W] |
+  //   params SampleRow [W]; a step copies up to params + R rows.
+  struct BlockLayout {
+    std::size_t tokens, positions, from, rows, params, bytes;
+    explicit BlockLayout(std::int32_t w) {
+      const auto n = static_cast<std::size_t>(w);
+      tokens = 16;
+      positions = tokens + 4 * n;
+      from = positions + 4 * n;
+      rows = from + 4 * n;
+      params = (rows + 4 * n + 31) / 32 * 32;
+      bytes = params + sizeof(cellkv::batching::SampleRow) * n;
+    }
+    [[nodiscard]] std::size_t bytes_for(std::int32_t samples) const {
+      return params + sizeof(cellkv::batching::SampleRow) * static_cast<std::size_t>(samples);
+    }
+  };
+
+  struct Timing {
+    cellkv::gpu::Event begin{true}, uploaded{true}, forward{true}, sampled{true}, copied{true};
+  };
+
+  cellkv::Status check(const cellkv::batching::ForwardStep& step, std::int32_t width) const {
+    const auto tokens = static_cast<std::int32_t>(step.tokens.size());
+    if (tokens < 1 || width < tokens || width > max_width_ || step.positions.size() != step.tokens.size() ||
+        step.sampling.size() != step.logit_rows.size() || step.logit_rows.size() > step.tokens.size())
+      return cellkv::Errc::bad_argument;
+    if (next_ - head_ >= kSlots - 1) return cellkv::Errc::bad_argument;
+    for (const std::int32_t r : step.logit_rows)
+      if (r < 0 || r >= tokens) return cellkv::Errc::bad_argument;
+    for (const cellkv::batching::DeferredToken& d : step.deferred)
+      if (d.row < 0 || d.row >= tokens || d.source < 0 || d.source >= last_samples_) return cellkv::Errc::bad_argument;
+    return {};
+  }
+
+  // Fills staging slot `slot` (its previous step has been retired: at most kSlots - 1 in flight).
+  void stage(const cellkv::batching::ForwardStep& step, std::int32_t width, std::size_t slot) {
+    std::byte* base = staging_[slot].data();
+    auto ints = [&](std::size_t offset) { return reinterpret_cast<std::int32_t*>(base + offset); };
+    const auto tokens = static_cast<std::int32_t>(step.tokens.size());
+    *ints(0) = static_cast<std::int32_t>(step.logit_rows.size());
+    std::int32_t* ids = ints(block_.tokens);
+    std::int32_t* pos = ints(block_.positions);
+    std::int32_t* from = ints(block_.from);
+    for (std::int32_t t = 0; t < width; ++t) {
+      ids[t] = t < tokens ? step.tokens[static_cast<std::size_t>(t)] : 0;
+      pos[t] = t < tokens ? step.positions[static_cast<std::size_t>(t)] : 0;
+      from[t] = -1;
+    }
+    for (const cellkv::batching::DeferredToken& d : step.deferred) from[d.row] = d.source;
+    std::copy(step.logit_rows.begin(), step.logit_rows.end(), ints(block_.rows));
+    if (!step.sampling.empty())
+      std::memcpy(base + block_.params, step.sampling.data(), step.sampling.size_bytes());
   }
 
   // Replays the width's graph (capturing it the first time), or runs eagerly. The step must be
@@ -105,44 +265,69 @@ class GpuRank {
   cellkv::Status run(std::int32_t width) {
     if (!options_.graphs || width > options_.max_graph_width) {
       ++stats_.eager;
-      return layers(width);
+      return forward_and_sample(width);
     }
-    auto it = graphs_.find(width);
-    if (it == graphs_.end()) {
+    auto& graphs = graphs_[options_.profile ? 1 : 0];
+    auto it = graphs.find(width);
+    if (it == graphs.end()) {
       cellkv::Status inside;
-      cellkv::gpu::GraphExec g = cellkv::gpu::capture(::cuda::stream_ref(stream_), [&] { inside = layers(width); });
+      cellkv::gpu::GraphExec g =
+          cellkv::gpu::capture(::cuda::stream_ref(stream_), [&] { inside = forward_and_sample(width); });
       if (!inside.ok()) return inside;
-      it = graphs_.emplace(width, std::move(g)).first;
+      it = graphs.emplace(width, std::move(g)).first;
       ++stats_.captures;
     }
     ++stats_.replays;
     return it->second.replay(::cuda::stream_ref(stream_));
   }
 
-  // Enqueues the copy of logit rows `rows` (rank 0) to host staging, read by logits() once the
-  // stream is synchronized.
-  cellkv::Status fetch_logits(std::span<const std::int32_t> rows) {
-    const auto row_bytes = static_cast<std::size_t>(c_.vocab) * sizeof(float);
-    for (std::size_t i = 0; i < rows.size(); ++i)
-      CELLKV_CUDA_STATUS(cudaMemcpyAsync(staging_logits_.data() + i * static_cast<std::size_t>(c_.vocab),
-                                         logits_.data() + static_cast<std::size_t>(rows[i]) * c_.vocab, row_bytes,
-                                         cudaMemcpyDeviceToHost, stream_));
+  cellkv::Status forward_and_sample(std::int32_t width) {
+    if (const cellkv::Status s = layers(width); !s.ok()) return s;
+    if (rank_ == 0 && !options_.profile) return sample(width);
     return {};
   }
-  [[nodiscard]] const float* logits() const { return staging_logits_.data(); }
 
- private:
-  struct Layer {
-    cellkv::gpu::DeviceBuffer<T> attn_norm, wq, wk, wv, wo, ffn_norm, w1, w3, w2;
-  };
+  cellkv::Status sample(std::int32_t width) {
+    const cellkv::batching::SamplerView v{logits_.data(),
+                                          c_.vocab,
+                                          c_.vocab,
+                                          block_int(0),
+                                          block_int(block_.rows),
+                                          reinterpret_cast<const cellkv::batching::SampleRow*>(block_dev_.data() + block_.params),
+                                          sampled_.data()};
+    return cellkv::batching::launch_sampler(v, width, ::cuda::stream_ref(stream_));
+  }
 
-  // y [rows, out] = x [rows, in] W [in, out] (+ y when accumulate); fp32 accumulation.
-  cellkv::Status gemm(const T* x, const T* w, void* y, bool y_float, std::int32_t rows, std::int32_t in,
-                      std::int32_t out, bool accumulate) {
+  [[nodiscard]] const std::int32_t* block_int(std::size_t offset) const {
+    return reinterpret_cast<const std::int32_t*>(block_dev_.data() + offset);
+  }
+
+  cellkv::Status time_step(std::size_t slot) {
+    const Timing& t = timing_[slot];
+    float ms = 0.f;
+    CELLKV_CUDA_STATUS(cudaEventElapsedTime(&ms, t.begin.get(), t.uploaded.get()));
+    phases_.upload_ms += ms;
+    CELLKV_CUDA_STATUS(cudaEventElapsedTime(&ms, t.uploaded.get(), t.forward.get()));
+    phases_.forward_ms += ms;
+    CELLKV_CUDA_STATUS(cudaEventElapsedTime(&ms, t.forward.get(), t.sampled.get()));
+    phases_.sampling_ms += ms;
+    CELLKV_CUDA_STATUS(cudaEventElapsedTime(&ms, t.sampled.get(), t.copied.get()));
+    phases_.copy_ms += ms;
+    if (head_ > 0 && phases_.steps > 0 && profiled_[(head_ - 1) % kSlots]) {
+      CELLKV_CUDA_STATUS(cudaEventElapsedTime(&ms, timing_[(head_ - 1) % kSlots].copied.get(), t.begin.get()));
+      phases_.idle_ms += std::max(ms, 0.f);
+    }
+    ++phases_.steps;
+    return {};
+  }
+
+  // y [rows, n] = x [rows, k] Wt^T (+ y when accumulate); Wt [n, k]; fp32 accumulation.
+  cellkv::Status gemm(const T* x, const T* wt, void* y, bool y_float, std::int32_t rows, std::int32_t k,
+                      std::int32_t n, bool accumulate) {
     const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
     const cudaDataType t = std::is_same_v<T, float> ? CUDA_R_32F : std::is_same_v<T, __half> ? CUDA_R_16F : CUDA_R_16BF;
-    LLAMA_CUBLAS(cublasGemmEx(blas_, CUBLAS_OP_N, CUBLAS_OP_N, out, rows, in, &alpha, w, t, out, x, t, in, &beta, y,
-                              y_float ? CUDA_R_32F : t, out, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    LLAMA_CUBLAS(cublasGemmEx(blas_, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &alpha, wt, t, k, x, t, k, &beta, y,
+                              y_float ? CUDA_R_32F : t, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     return {};
   }
 
@@ -152,98 +337,222 @@ class GpuRank {
     return reduce_->sum(rank_, x, static_cast<std::size_t>(width) * static_cast<std::size_t>(c_.dim), stream_);
   }
 
+  // The GEMV row count of a width (a power of two >= width), or 0 when the step runs cuBLAS.
+  [[nodiscard]] int gemv_rows(std::int32_t width) const {
+    if (width > options_.max_gemv_width) return 0;
+    int rows = 1;
+    while (rows < width) rows *= 2;
+    const std::int32_t widest = std::max({c_.dim, c_.q_width(), c_.ffn});
+    return gemv::fits<T>(rows, widest, smem_limit_) && gemv::fits<T>(rows, c_.dim, smem_limit_) ? rows : 0;
+  }
+
   // The forward of `width` rows over every layer and the logits: fixed buffers only (capturable).
   cellkv::Status layers(std::int32_t width) {
-    const std::int32_t dim = c_.dim, q_w = c_.q_width(), kv_w = c_.kv_width();
+    const std::int32_t dim = c_.dim, q_w = c_.q_width(), kv_w = c_.kv_width(), qkv_w = q_w + 2 * kv_w;
     const bool residual = rank_ == 0;  // the rank that carries x through the all-reduce
-    const std::int32_t* tokens = ids_.data();
-    const std::int32_t* positions = ids_.data() + max_width_;
-    kernels::embed<T><<<width, 256, 0, stream_>>>(tokens, embed_.data(), x_.data(), dim);
+    const std::int32_t* positions = block_int(block_.positions);
+    const int rows = gemv_rows(width);
+    kernels::embed<T><<<width, 256, 0, stream_>>>(block_int(block_.tokens), block_int(block_.from), sampled_.data(),
+                                                  max_width_, embed_.data(), x_.data(), dim, c_.vocab);
     for (std::int32_t l = 0; l < c_.layers; ++l) {
       Layer& lw = layers_[static_cast<std::size_t>(l)];
-      kernels::rmsnorm<T><<<width, 256, 0, stream_>>>(x_.data(), lw.attn_norm.data(), h_.data(), dim, c_.norm_eps);
-      if (const auto s = gemm(h_.data(), lw.wq.data(), q_.data(), false, width, dim, q_w, false); !s.ok()) return s;
-      if (const auto s = gemm(h_.data(), lw.wk.data(), k_.data(), false, width, dim, kv_w, false); !s.ok()) return s;
-      if (const auto s = gemm(h_.data(), lw.wv.data(), v_.data(), false, width, dim, kv_w, false); !s.ok()) return s;
-      kernels::rope<T><<<width, 128, 0, stream_>>>(q_.data(), positions, c_.heads_q, c_.head_dim, c_.rope_theta);
-      kernels::rope<T><<<width, 128, 0, stream_>>>(k_.data(), positions, c_.heads_kv, c_.head_dim, c_.rope_theta);
+      if (rows > 0) {
+        gemv::Args<T> a;
+        a.x = x_.data();
+        a.gain = lw.attn_norm.data();
+        a.eps = c_.norm_eps;
+        a.wt = lw.wqkv.data();
+        a.n = qkv_w;
+        a.k = dim;
+        a.q = q_.data();
+        a.kk = k_.data();
+        a.v = v_.data();
+        a.positions = positions;
+        a.q_w = q_w;
+        a.kv_w = kv_w;
+        a.head_dim = c_.head_dim;
+        a.theta = c_.rope_theta;
+        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::qkv_rope, true>(a, rows, stream_)));
+      } else {
+        kernels::rmsnorm<T><<<width, 256, 0, stream_>>>(x_.data(), lw.attn_norm.data(), h_.data(), dim, c_.norm_eps);
+        if (const auto s = gemm(h_.data(), lw.wqkv.data(), qkv_.data(), false, width, dim, qkv_w, false); !s.ok()) return s;
+        kernels::rope_split<T><<<width, 128, 0, stream_>>>(qkv_.data(), q_.data(), k_.data(), v_.data(), positions, q_w,
+                                                            kv_w, c_.head_dim, c_.rope_theta);
+      }
       if (const auto s = attention_.update_and_attend(l, q_.data(), k_.data(), v_.data(), attn_.data(), width,
                                                       c_.heads_q, 0.f, ::cuda::stream_ref(stream_));
           !s.ok())
         return s;
-      if (const auto s = gemm(attn_.data(), lw.wo.data(), x_.data(), false, width, q_w, dim, residual); !s.ok()) return s;
+      if (rows > 0) {
+        gemv::Args<T> a;
+        a.x = attn_.data();
+        a.wt = lw.wo.data();
+        a.n = dim;
+        a.k = q_w;
+        a.y = x_.data();
+        a.ld = dim;
+        a.accumulate = residual;
+        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store, false>(a, rows, stream_)));
+      } else if (const auto s = gemm(attn_.data(), lw.wo.data(), x_.data(), false, width, q_w, dim, residual); !s.ok()) {
+        return s;
+      }
       if (const auto s = reduce(x_.data(), width); !s.ok()) return s;
-      kernels::rmsnorm<T><<<width, 256, 0, stream_>>>(x_.data(), lw.ffn_norm.data(), h_.data(), dim, c_.norm_eps);
-      if (const auto s = gemm(h_.data(), lw.w1.data(), a_.data(), false, width, dim, c_.ffn, false); !s.ok()) return s;
-      if (const auto s = gemm(h_.data(), lw.w3.data(), b_.data(), false, width, dim, c_.ffn, false); !s.ok()) return s;
-      kernels::swiglu<T><<<256, 256, 0, stream_>>>(a_.data(), b_.data(), static_cast<std::int64_t>(width) * c_.ffn);
-      if (const auto s = gemm(a_.data(), lw.w2.data(), x_.data(), false, width, c_.ffn, dim, residual); !s.ok()) return s;
+      if (rows > 0) {
+        gemv::Args<T> a;
+        a.x = x_.data();
+        a.gain = lw.ffn_norm.data();
+        a.eps = c_.norm_eps;
+        a.wt = lw.w13.data();
+        a.n = 2 * c_.ffn;
+        a.k = dim;
+        a.a = a_.data();
+        a.ffn = c_.ffn;
+        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::swiglu, true>(a, rows, stream_)));
+        gemv::Args<T> b;
+        b.x = a_.data();
+        b.wt = lw.w2.data();
+        b.n = dim;
+        b.k = c_.ffn;
+        b.y = x_.data();
+        b.ld = dim;
+        b.accumulate = residual;
+        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store, false>(b, rows, stream_)));
+      } else {
+        kernels::rmsnorm<T><<<width, 256, 0, stream_>>>(x_.data(), lw.ffn_norm.data(), h_.data(), dim, c_.norm_eps);
+        if (const auto s = gemm(h_.data(), lw.w13.data(), h13_.data(), false, width, dim, 2 * c_.ffn, false); !s.ok())
+          return s;
+        kernels::swiglu_pairs<T><<<256, 256, 0, stream_>>>(h13_.data(), a_.data(), c_.ffn,
+                                                            static_cast<std::int64_t>(width) * c_.ffn);
+        if (const auto s = gemm(a_.data(), lw.w2.data(), x_.data(), false, width, c_.ffn, dim, residual); !s.ok())
+          return s;
+      }
       if (const auto s = reduce(x_.data(), width); !s.ok()) return s;
     }
     if (rank_ == 0) {
-      kernels::rmsnorm<T><<<width, 256, 0, stream_>>>(x_.data(), final_norm_.data(), h_.data(), dim, c_.norm_eps);
-      if (const auto s = gemm(h_.data(), lm_head_.data(), logits_.data(), true, width, dim, c_.vocab, false); !s.ok())
-        return s;
+      if (rows > 0) {
+        gemv::Args<T> a;
+        a.x = x_.data();
+        a.gain = final_norm_.data();
+        a.eps = c_.norm_eps;
+        a.wt = lm_head_.data();
+        a.n = c_.vocab;
+        a.k = dim;
+        a.yf = logits_.data();
+        a.ld = c_.vocab;
+        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store_float, true>(a, rows, stream_)));
+      } else {
+        kernels::rmsnorm<T><<<width, 256, 0, stream_>>>(x_.data(), final_norm_.data(), h_.data(), dim, c_.norm_eps);
+        if (const auto s = gemm(h_.data(), lm_head_.data(), logits_.data(), true, width, dim, c_.vocab, false); !s.ok())
+          return s;
+      }
     }
     CELLKV_CUDA_STATUS(cudaGetLastError());
     return {};
   }
 
-  cellkv::gpu::DeviceBuffer<T> to_device(const std::vector<float>& v) {
-    std::vector<T> host(v.size());
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      if constexpr (std::is_same_v<T, float>) host[i] = v[i];
-      else if constexpr (std::is_same_v<T, __half>) host[i] = __float2half(v[i]);
-      else host[i] = __float2bfloat16(v[i]);
-    }
-    cellkv::gpu::DeviceBuffer<T> d(v.size());
+  // Wt [out, in] of W [in, out] (row-major), in T.
+  static std::vector<T> transposed(const std::vector<float>& w, std::int32_t in, std::int32_t out) {
+    std::vector<T> t(w.size());
+    for (std::int32_t i = 0; i < in; ++i)
+      for (std::int32_t o = 0; o < out; ++o)
+        t[static_cast<std::size_t>(o) * in + i] = to_t(w[static_cast<std::size_t>(i) * out + o]);
+    return t;
+  }
+  static T to_t(float v) {
+    if constexpr (std::is_same_v<T, float>) return v;
+    else if constexpr (std::is_same_v<T, __half>) return __float2half(v);
+    else return __float2bfloat16(v);
+  }
+  static cellkv::gpu::DeviceBuffer<T> to_device(const std::vector<T>& host) {
+    cellkv::gpu::DeviceBuffer<T> d(host.size());
     CELLKV_CUDA_THROW(cudaMemcpy(d.data(), host.data(), d.bytes(), cudaMemcpyHostToDevice));
     return d;
   }
+  static cellkv::gpu::DeviceBuffer<T> vector_to_device(const std::vector<float>& v) {
+    std::vector<T> host(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) host[i] = to_t(v[i]);
+    return to_device(host);
+  }
 
   void upload_weights(const Weights& w) {
-    embed_ = to_device(w.embed);
-    final_norm_ = to_device(w.final_norm);
-    lm_head_ = to_device(w.lm_head);
-    for (const LayerWeights& l : w.layers)
-      layers_.push_back({to_device(l.attn_norm), to_device(l.wq), to_device(l.wk), to_device(l.wv), to_device(l.wo),
-                         to_device(l.ffn_norm), to_device(l.w1), to_device(l.w3), to_device(l.w2)});
+    const std::int32_t dim = c_.dim, q_w = c_.q_width(), kv_w = c_.kv_width(), ffn = c_.ffn;
+    embed_ = vector_to_device(w.embed);
+    final_norm_ = vector_to_device(w.final_norm);
+    lm_head_ = to_device(transposed(w.lm_head, dim, c_.vocab));
+    for (const LayerWeights& l : w.layers) {
+      std::vector<T> qkv = transposed(l.wq, dim, q_w);
+      const std::vector<T> k = transposed(l.wk, dim, kv_w), v = transposed(l.wv, dim, kv_w);
+      qkv.insert(qkv.end(), k.begin(), k.end());
+      qkv.insert(qkv.end(), v.begin(), v.end());
+      const std::vector<T> w1 = transposed(l.w1, dim, ffn), w3 = transposed(l.w3, dim, ffn);
+      std::vector<T> w13(2 * w1.size());
+      for (std::int32_t j = 0; j < ffn; ++j) {
+        std::copy_n(w1.begin() + static_cast<std::ptrdiff_t>(j) * dim, dim, w13.begin() + static_cast<std::ptrdiff_t>(2 * j) * dim);
+        std::copy_n(w3.begin() + static_cast<std::ptrdiff_t>(j) * dim, dim,
+                    w13.begin() + static_cast<std::ptrdiff_t>(2 * j + 1) * dim);
+      }
+      layers_.push_back({vector_to_device(l.attn_norm), to_device(qkv), to_device(transposed(l.wo, q_w, dim)),
+                         vector_to_device(l.ffn_norm), to_device(w13), to_device(transposed(l.w2, ffn, dim))});
+    }
+  }
+
+  template <class U>
+  static cellkv::gpu::DeviceBuffer<U> zeroed(std::size_t n) {
+    cellkv::gpu::DeviceBuffer<U> d(n);
+    CELLKV_CUDA_THROW(cudaMemset(d.data(), 0, d.bytes()));
+    return d;
   }
 
   void allocate() {
-    const auto rows = static_cast<std::size_t>(max_width_);
-    x_ = cellkv::gpu::DeviceBuffer<T>(rows * static_cast<std::size_t>(c_.dim));
-    h_ = cellkv::gpu::DeviceBuffer<T>(x_.size());
-    q_ = cellkv::gpu::DeviceBuffer<T>(rows * static_cast<std::size_t>(c_.q_width()));
-    attn_ = cellkv::gpu::DeviceBuffer<T>(q_.size());
-    k_ = cellkv::gpu::DeviceBuffer<T>(rows * static_cast<std::size_t>(c_.kv_width()));
-    v_ = cellkv::gpu::DeviceBuffer<T>(k_.size());
-    a_ = cellkv::gpu::DeviceBuffer<T>(rows * static_cast<std::size_t>(c_.ffn));
-    b_ = cellkv::gpu::DeviceBuffer<T>(a_.size());
-    logits_ = cellkv::gpu::DeviceBuffer<float>(rows * static_cast<std::size_t>(c_.vocab));
-    ids_ = cellkv::gpu::DeviceBuffer<std::int32_t>(2 * rows);
-    staging_ids_ = cellkv::gpu::PinnedBuffer<std::int32_t>(2 * rows);
-    staging_logits_ = cellkv::gpu::PinnedBuffer<float>(rows * static_cast<std::size_t>(c_.vocab));
+    const auto rows = static_cast<std::size_t>(rows_);
+    x_ = zeroed<T>(rows * static_cast<std::size_t>(c_.dim));
+    h_ = zeroed<T>(x_.size());
+    q_ = zeroed<T>(rows * static_cast<std::size_t>(c_.q_width()));
+    attn_ = zeroed<T>(q_.size());
+    k_ = zeroed<T>(rows * static_cast<std::size_t>(c_.kv_width()));
+    v_ = zeroed<T>(k_.size());
+    qkv_ = zeroed<T>(rows * static_cast<std::size_t>(c_.q_width() + 2 * c_.kv_width()));
+    a_ = zeroed<T>(rows * static_cast<std::size_t>(c_.ffn));
+    h13_ = zeroed<T>(2 * a_.size());
+    logits_ = zeroed<float>(rows * static_cast<std::size_t>(c_.vocab));
+    block_dev_ = zeroed<std::byte>(block_.bytes);
+    sampled_ = zeroed<cellkv::batching::SampledOut>(static_cast<std::size_t>(max_width_));
+    for (std::size_t s = 0; s < kSlots; ++s) {
+      staging_[s] = cellkv::gpu::PinnedBuffer<std::byte>(block_.bytes);
+      std::memset(staging_[s].data(), 0, block_.bytes);
+      results_[s] = cellkv::gpu::PinnedBuffer<cellkv::batching::SampledOut>(static_cast<std::size_t>(max_width_));
+    }
   }
 
   Config c_;
   const Attention& attention_;
   std::int32_t rank_;
   std::int32_t max_width_;
+  std::int32_t rows_;  // activation rows: max_width, at least kGemvRows
   cudaStream_t stream_;
   AllReduce<T>* reduce_;
   GpuOptions options_;
+  BlockLayout block_;
+  int smem_limit_ = 0;
   cublasHandle_t blas_ = nullptr;
   cellkv::gpu::DeviceBuffer<std::byte> workspace_;
   cellkv::gpu::DeviceBuffer<T> embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
-  cellkv::gpu::DeviceBuffer<T> x_, h_, q_, attn_, k_, v_, a_, b_;
+  cellkv::gpu::DeviceBuffer<T> x_, h_, q_, attn_, k_, v_, qkv_, a_, h13_;
   cellkv::gpu::DeviceBuffer<float> logits_;
-  cellkv::gpu::DeviceBuffer<std::int32_t> ids_;  // [tokens (max_width) | positions (max_width)]
-  cellkv::gpu::PinnedBuffer<std::int32_t> staging_ids_;
-  cellkv::gpu::PinnedBuffer<float> staging_logits_;
-  std::map<std::int32_t, cellkv::gpu::GraphExec> graphs_;
+  cellkv::gpu::DeviceBuffer<std::byte> block_dev_;                     // the step block
+  cellkv::gpu::DeviceBuffer<cellkv::batching::SampledOut> sampled_;   // [max_width] ids of the last step
+  std::array<cellkv::gpu::PinnedBuffer<std::byte>, kSlots> staging_;
+  std::array<cellkv::gpu::PinnedBuffer<cellkv::batching::SampledOut>, kSlots> results_;
+  std::array<cellkv::gpu::Event, kSlots> done_;
+  std::vector<Timing> timing_ = std::vector<Timing>(kSlots);
+  std::array<bool, kSlots> profiled_{};  // the slot's step was profiled
+  std::array<std::int32_t, kSlots> counts_{};
+  std::int32_t last_samples_ = 0;  // sampled rows of the last step enqueued
+  std::uint64_t head_ = 0, next_ = 0;  // steps retired, steps enqueued
+  std::array<std::map<std::int32_t, cellkv::gpu::GraphExec>, 2> graphs_;  // by width: with the sampler, without
   GraphStats stats_;
+  PhaseTimes phases_;
 };
 
 #undef LLAMA_CUBLAS

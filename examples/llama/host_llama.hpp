@@ -1,17 +1,21 @@
 // llama/host_llama.hpp - the example decoder on the host reference path: plain loops in float,
-// attention through cellkv::reference::update_and_attend over host pools. Satisfies
-// cellkv::batching::Model.
+// attention through cellkv::reference::update_and_attend over host pools, sampling by
+// cellkv::batching::sample_row (the rule the device sampler follows). Satisfies
+// cellkv::batching::Model; each forward runs at once, and retire() hands its tokens back in order.
 //
 // Per layer: h = rmsnorm(x); q, k, v = h Wq, h Wk, h Wv; RoPE(q, k); x += attend(q, k, v) Wo;
 // h = rmsnorm(x); x += (silu(h W1) * h W3) W2. Logits: rmsnorm(x) W_lm for the rows asked for.
 #pragma once
 
 #include <cellkv/batching/model.hpp>
+#include <cellkv/batching/sampling.hpp>
 #include <cellkv/host_pool.hpp>
 #include <cellkv/reference.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <deque>
 #include <span>
 #include <vector>
 
@@ -70,15 +74,62 @@ class HostLlama {
   [[nodiscard]] std::int32_t vocab() const { return c_.vocab; }
   [[nodiscard]] std::int32_t min_prefill_tokens() const { return 2; }
 
-  cellkv::Status forward(const cellkv::batching::ForwardStep& step, std::span<float> logits) {
+  // Runs the step and samples its logit rows. Refuses (bad_argument, nothing changed) a token id
+  // outside [0, vocab) or a deferred token with no previous forward to read it from.
+  cellkv::Status forward(const cellkv::batching::ForwardStep& step) {
+    tokens_.assign(step.tokens.begin(), step.tokens.end());
+    for (const cellkv::batching::DeferredToken& d : step.deferred) {
+      if (d.row < 0 || static_cast<std::size_t>(d.row) >= tokens_.size() || d.source < 0 ||
+          static_cast<std::size_t>(d.source) >= last_sampled_.size())
+        return cellkv::Errc::bad_argument;
+      tokens_[static_cast<std::size_t>(d.row)] = last_sampled_[static_cast<std::size_t>(d.source)];
+    }
+    for (const std::int32_t t : tokens_)
+      if (t < 0 || t >= c_.vocab) return cellkv::Errc::bad_argument;
+    if (step.sampling.size() != step.logit_rows.size()) return cellkv::Errc::bad_argument;
+    logits_.resize(step.logit_rows.size() * static_cast<std::size_t>(c_.vocab));
+    if (const cellkv::Status s = run(step, logits_); !s.ok()) return s;
+    Retired r;
+    for (std::size_t i = 0; i < step.logit_rows.size(); ++i) {
+      const auto row = std::span<const float>(logits_).subspan(i * static_cast<std::size_t>(c_.vocab),
+                                                               static_cast<std::size_t>(c_.vocab));
+      const cellkv::batching::Sampled got = cellkv::batching::sample_row(row, step.sampling[i]);
+      r.tokens.push_back(got.token);
+      r.logprobs.push_back(got.logprob);
+    }
+    last_sampled_ = r.tokens;
+    retired_.push_back(std::move(r));
+    return {};
+  }
+
+  cellkv::Status retire(std::span<std::int32_t> tokens, std::span<float> logprobs) {
+    if (retired_.empty() || tokens.size() != retired_.front().tokens.size() || logprobs.size() != tokens.size())
+      return cellkv::Errc::bad_argument;
+    std::copy(retired_.front().tokens.begin(), retired_.front().tokens.end(), tokens.begin());
+    std::copy(retired_.front().logprobs.begin(), retired_.front().logprobs.end(), logprobs.begin());
+    retired_.pop_front();
+    return {};
+  }
+
+  // The logits of the sampled rows of the last forward, row by row (tests).
+  [[nodiscard]] std::span<const float> last_logits() const { return logits_; }
+
+ private:
+  struct Retired {
+    std::vector<std::int32_t> tokens;
+    std::vector<float> logprobs;
+  };
+
+  // The forward over tokens_ (ids checked) at step.positions; logits of step.logit_rows.
+  cellkv::Status run(const cellkv::batching::ForwardStep& step, std::span<float> logits) {
     pool_.sync(cache_);  // fork copies of the sequence layout
-    const auto T = step.tokens.size();
+    const auto T = tokens_.size();
     const auto dim = static_cast<std::size_t>(c_.dim);
     std::vector<float> x(T * dim), h(T * dim), q(T * static_cast<std::size_t>(c_.q_width())),
         k(T * static_cast<std::size_t>(c_.kv_width())), v(k.size()), attn(q.size()),
         a(T * static_cast<std::size_t>(c_.ffn)), b(a.size());
     for (std::size_t t = 0; t < T; ++t)
-      std::copy_n(w_.embed.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(step.tokens[t]) * dim), dim,
+      std::copy_n(w_.embed.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(tokens_[t]) * dim), dim,
                   x.begin() + static_cast<std::ptrdiff_t>(t * dim));
     for (std::int32_t l = 0; l < c_.layers; ++l) {
       const LayerWeights& lw = w_.layers[static_cast<std::size_t>(l)];
@@ -110,11 +161,13 @@ class HostLlama {
     return {};
   }
 
- private:
   Config c_;
   const Weights& w_;
   Cache& cache_;
   cellkv::HostPool<float> pool_;
+  std::vector<std::int32_t> tokens_, last_sampled_;
+  std::vector<float> logits_;
+  std::deque<Retired> retired_;
 };
 
 }  // namespace llama

@@ -3,7 +3,9 @@
 // (shard_weights.hpp), attends through shard g of a cellkv::gpu::ShardedCache, and the ranks sum
 // their partial outputs with one all-reduce after the attention output projection and one after the
 // MLP. One host thread per rank; the host plans each step once (ShardedCache), every rank uploads
-// it to its own shard. Satisfies cellkv::batching::Model: an Executor drives it like GpuLlama.
+// it to its own shard. Satisfies cellkv::batching::Model: an Executor drives it like GpuLlama,
+// but each forward waits for every rank (rank 0 samples on its device), so retire() returns at
+// once; ids sampled by the previous step go in from the host.
 // Refusals (the cache's, before any rank computes) leave every rank as it was; a CUDA failure on
 // one rank mid-step can leave the others waiting in the all-reduce (as with NCCL itself), after
 // which the model must be rebuilt.
@@ -15,6 +17,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -69,13 +72,38 @@ class TpLlama {
   [[nodiscard]] std::int32_t min_prefill_tokens() const { return 2; }
   [[nodiscard]] const GraphStats& graph_stats() const { return ranks_.front()->graph_stats(); }
 
-  // One step on every rank at once; logits come from rank 0.
-  cellkv::Status forward(const cellkv::batching::ForwardStep& step, std::span<float> logits) {
+  // One step on every rank at once; rank 0 samples. Refuses (bad_argument) a deferred id the
+  // previous step did not sample.
+  cellkv::Status forward(const cellkv::batching::ForwardStep& step) {
+    tokens_.assign(step.tokens.begin(), step.tokens.end());
+    for (const cellkv::batching::DeferredToken& d : step.deferred) {
+      if (d.row < 0 || static_cast<std::size_t>(d.row) >= tokens_.size() || d.source < 0 ||
+          static_cast<std::size_t>(d.source) >= last_sampled_.size())
+        return cellkv::Errc::bad_argument;
+      tokens_[static_cast<std::size_t>(d.row)] = last_sampled_[static_cast<std::size_t>(d.source)];
+    }
+    cellkv::batching::ForwardStep resolved = step;
+    resolved.tokens = tokens_;
+    resolved.deferred = {};
+    const std::size_t samples = step.logit_rows.size();
+    for (auto& r : scratch_) {
+      r.tokens.resize(samples);
+      r.logprobs.resize(samples);
+    }
     const std::int32_t width = ranks_.front()->width_for(static_cast<std::int32_t>(step.tokens.size()));
-    const cellkv::Status s = threads_.run([&](std::int32_t g) { return rank_step(g, step, width); });
+    const cellkv::Status s = threads_.run([&](std::int32_t g) { return rank_step(g, resolved, width); });
     if (!s.ok()) return s;
-    std::memcpy(logits.data(), ranks_.front()->logits(),
-                step.logit_rows.size() * static_cast<std::size_t>(c_.vocab) * sizeof(float));
+    last_sampled_ = scratch_.front().tokens;
+    retired_.push_back(scratch_.front());
+    return {};
+  }
+
+  cellkv::Status retire(std::span<std::int32_t> tokens, std::span<float> logprobs) {
+    if (retired_.empty() || tokens.size() != retired_.front().tokens.size() || logprobs.size() != tokens.size())
+      return cellkv::Errc::bad_argument;
+    std::copy(retired_.front().tokens.begin(), retired_.front().tokens.end(), tokens.begin());
+    std::copy(retired_.front().logprobs.begin(), retired_.front().logprobs.end(), logprobs.begin());
+    retired_.pop_front();
     return {};
   }
 
@@ -86,18 +114,16 @@ class TpLlama {
     return devices;
   }
 
-  // Rank g's part of a step, on its own thread and device.
+  // Rank g's part of a step, on its own thread and device, waited for.
   cellkv::Status rank_step(std::int32_t g, const cellkv::batching::ForwardStep& step, std::int32_t width) {
     GpuRank<Shard>& rank = *ranks_[static_cast<std::size_t>(g)];
-    const ::cuda::stream_ref stream(rank.stream());
-    if (const cellkv::Status s = rank.stage(step, width); !s.ok()) return s;
-    if (const cellkv::Status s = cache_.upload_shard(g, stream, width); !s.ok()) return s;
-    if (const cellkv::Status s = rank.run(width); !s.ok()) return s;
-    if (const cellkv::Status s = cache_.shard(g).commit(stream); !s.ok()) return s;
-    if (g == 0)
-      if (const cellkv::Status s = rank.fetch_logits(step.logit_rows); !s.ok()) return s;
-    CELLKV_CUDA_STATUS(cudaStreamSynchronize(rank.stream()));
-    return {};
+    Retired& out = scratch_[static_cast<std::size_t>(g)];
+    if (const cellkv::Status s = rank.step(
+            step, width, [&](::cuda::stream_ref st) { return cache_.upload_shard(g, st, width); },
+            [&](::cuda::stream_ref st) { return cache_.shard(g).commit(st); });
+        !s.ok())
+      return s;
+    return rank.retire(out.tokens, out.logprobs);
   }
 
   // Frees each rank's device objects on its own thread (its device current).
@@ -114,6 +140,13 @@ class TpLlama {
   RankThreads threads_;
   std::vector<std::unique_ptr<GpuRank<Shard>>> ranks_;
   std::vector<std::unique_ptr<cellkv::gpu::Stream>> streams_;
+  struct Retired {
+    std::vector<std::int32_t> tokens;
+    std::vector<float> logprobs;
+  };
+  std::vector<Retired> scratch_ = std::vector<Retired>(static_cast<std::size_t>(ranks_.size()));  // per rank
+  std::deque<Retired> retired_;
+  std::vector<std::int32_t> tokens_, last_sampled_;
 };
 
 }  // namespace llama

@@ -1,18 +1,24 @@
-// The executor on the GPU with the example decoder (cuBLAS, CUDA graphs per step width): batched
-// generation equals solo generation token for token for sessions with different prompt lengths
-// and a fork; graph replay equals eager execution; a hand-made schedule of widths 20, 1, 4, 2, 4,
-// 7, 3 with partial prefills matches; cells reused across rounds leak nothing. The model computes
-// in fp32 (storage and GEMMs), so a session alone and in a batch agree up to fp32 rounding: the
-// comparison is in fp32, as bf16 rounding of different batch shapes could flip a near-tie.
+// The executor on the GPU with the example decoder (skinny GEMV or cuBLAS, CUDA graphs per step
+// width, sampling on the device, steps overlapped): batched generation equals solo generation
+// token for token for sessions with different prompt lengths and a fork, greedy and with seeded
+// sampling; graph replay equals eager execution; overlap equals no overlap; the skinny GEMV equals
+// cuBLAS; the GPU equals the host reference path; a hand-made schedule of widths 20, 1, 4, 2, 4,
+// 7, 3 with partial prefills matches; a stop token ends its session and the token after it is
+// discarded and rewound; cells reused across rounds leak nothing. The model computes in fp32
+// (storage and GEMMs), so a session alone and in a batch agree up to fp32 rounding: the comparison
+// is in fp32, as bf16 rounding of different batch shapes could flip a near-tie.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "cellkv/batching/executor.hpp"
+#include "cellkv/cell_cache.hpp"
 #include "cellkv/cuda/device_cache.cuh"
 #include "cellkv/cuda/stream.hpp"
 #include "llama/gpu_llama.cuh"
+#include "llama/host_llama.hpp"
 #include "support.cuh"
 
 namespace {
@@ -49,7 +55,8 @@ struct Rig {
   C cache{kCacheConfig, kShape};
   llama::GpuLlama<C> model;
   Executor<llama::GpuLlama<C>, C> exec;
-  explicit Rig(llama::GpuOptions options = {}) : model(kConfig, weights(), cache, stream.get(), options), exec(model, cache, kLimits) {}
+  explicit Rig(llama::GpuOptions options = {}, ExecutorOptions exec_options = {})
+      : model(kConfig, weights(), cache, stream.get(), options), exec(model, cache, kLimits, exec_options) {}
   std::vector<std::int32_t> output(SessionId id) const {
     const auto out = exec.sessions().output(id).value();
     return {out.begin(), out.end()};
@@ -57,9 +64,10 @@ struct Rig {
 };
 
 template <class C>
-std::vector<std::int32_t> solo(const std::vector<std::int32_t>& prompt, std::int32_t max_new) {
+std::vector<std::int32_t> solo(const std::vector<std::int32_t>& prompt, std::int32_t max_new,
+                               const SamplingParams& sampling = {}) {
   Rig<C> rig;
-  const SessionId id = rig.exec.sessions().add(prompt, max_new).value();
+  const SessionId id = rig.exec.sessions().add(prompt, max_new, sampling).value();
   REQUIRE(rig.exec.run_until_idle().ok());
   return rig.output(id);
 }
@@ -130,4 +138,77 @@ TEST_CASE("gpu executor: cells reused across rounds of sessions leak no K/V") {
     for (const SessionId id : ids) REQUIRE(rig.exec.sessions().finish(id).ok());
     CHECK(rig.cache.host().free_cells() == rig.cache.host().capacity());
   }
+}
+
+namespace {
+
+const SamplingParams kSampling[] = {
+    {.temperature = 0.8f, .top_k = 20, .top_p = 0.9f, .seed = 1},
+    {.temperature = 1.2f, .seed = 2},
+    {.temperature = 0.f},
+    {.temperature = 1.f, .top_p = 0.7f, .min_p = 0.05f, .seed = 3, .logprobs = true},
+    {.temperature = 0.6f, .top_k = 5, .seed = 4},
+};
+const std::int32_t kLengths[] = {1, 4, 13, 31, 50};
+
+// Five sessions with kSampling's parameters run to the end through `exec`; their tokens.
+template <class E>
+std::vector<std::vector<std::int32_t>> run_sampled(E& exec) {
+  std::vector<SessionId> ids;
+  for (std::int32_t i = 0; i < 5; ++i)
+    ids.push_back(exec.sessions().add(prompt_of(kLengths[i], i), 16, kSampling[i]).value());
+  for (const std::int32_t w : {5, 24, 2}) REQUIRE(exec.step(w).ok());
+  REQUIRE(exec.run_until_idle().ok());
+  std::vector<std::vector<std::int32_t>> out;
+  for (const SessionId id : ids) {
+    const auto o = exec.sessions().output(id).value();
+    out.emplace_back(o.begin(), o.end());
+  }
+  return out;
+}
+
+using HostCells = CellCache<layout::cell, Model, placement::clustered<64>, 16>;
+
+}  // namespace
+
+TEST_CASE("gpu executor: seeded sampling equals solo, no overlap, cuBLAS, and the host reference path") {
+  Rig<Cells> rig;
+  const auto batched = run_sampled(rig.exec);
+  Rig<Cells> no_overlap({}, {.overlap = false});
+  CHECK(run_sampled(no_overlap.exec) == batched);
+  Rig<Slots> cublas({.max_gemv_width = 0});
+  CHECK(run_sampled(cublas.exec) == batched);
+  HostCells host_cache(kCacheConfig);
+  llama::HostLlama<HostCells> host_model(kConfig, weights(), host_cache);
+  Executor host(host_model, host_cache, kLimits);
+  CHECK(run_sampled(host) == batched);
+  std::int32_t greedy_differs = 0;
+  for (std::int32_t i = 0; i < 5; ++i) {
+    CAPTURE(i);
+    CHECK(batched[static_cast<std::size_t>(i)] == solo<Cells>(prompt_of(kLengths[i], i), 16, kSampling[i]));
+    greedy_differs += batched[static_cast<std::size_t>(i)] != solo<Cells>(prompt_of(kLengths[i], i), 16);
+  }
+  CHECK(greedy_differs >= 3);
+  CHECK(rig.model.graph_stats().replays > 0);
+  cellkv::test::require_device_ok();
+}
+
+TEST_CASE("gpu executor: a stop token ends a session; the token sampled after it is discarded and rewound") {
+  const auto free_run = solo<Cells>(prompt_of(9, 4), 12);
+  std::size_t at = 2;  // the first token that did not appear before it
+  while (at < free_run.size() && std::find(free_run.begin(), free_run.begin() + static_cast<std::ptrdiff_t>(at),
+                                           free_run[at]) != free_run.begin() + static_cast<std::ptrdiff_t>(at))
+    ++at;
+  REQUIRE(at < free_run.size());
+  Rig<Cells> rig;
+  const SessionId id = rig.exec.sessions().add(prompt_of(9, 4), 12, {.stop_tokens = {free_run[at]}}).value();
+  const SessionId other = rig.exec.sessions().add(prompt_of(6, 1), 12).value();
+  REQUIRE(rig.exec.run_until_idle().ok());
+  CHECK(rig.output(id) == std::vector<std::int32_t>(free_run.begin(), free_run.begin() + static_cast<std::ptrdiff_t>(at) + 1));
+  CHECK(rig.output(other) == solo<Cells>(prompt_of(6, 1), 12));
+  CHECK(rig.exec.stats().tokens_discarded == 1);
+  const std::int32_t seq = rig.exec.sessions().sequence_of(id).value();
+  CHECK(rig.cache.host().pos(seq).value() == rig.exec.sessions().cached_tokens(id).value());
+  CHECK(rig.exec.sessions().cached_tokens(id).value() == 9 + static_cast<std::int32_t>(at));
+  cellkv::test::require_device_ok();
 }

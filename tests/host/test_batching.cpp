@@ -18,6 +18,7 @@
 
 #include "cellkv/batching/batching.hpp"
 #include "cellkv/cell_cache.hpp"
+#include "batch_checks.hpp"
 #include "support.hpp"
 
 namespace {
@@ -89,7 +90,7 @@ template <class Cache>
 Ran declare(Cache& cache, SessionTable<Cache>& table) {
   auto batch = table.next_step();
   REQUIRE(batch.ok());
-  REQUIRE(table.check_batch(batch.value()).ok());
+  REQUIRE(test::check_batch(table, batch.value()).ok());
   REQUIRE(cache.declare_step(batch.value().seqs).ok());
   return {batch.value(), test::step_positions(cache), test::step_rows(cache)};
 }
@@ -150,7 +151,7 @@ TEST_CASE("plan_slices: properties over many arguments") {
     for (std::int32_t max = 1; max <= 12; ++max)
       for (std::int32_t min = 1; min <= 14; ++min) {
         const Slices plan = plan_slices(total, max, min);
-        const auto checked = plan_slices_checked(total, max, min);
+        const auto checked = test::plan_slices_checked(total, max, min);
         const Slice first = plan.empty() ? Slice{} : plan.front();
         const bool ok = follows_the_rule(plan, total, max, min) && checked.ok() && checked.value() == plan &&
                         first_slice(total, max, min) == first;
@@ -170,11 +171,11 @@ TEST_CASE("plan_slices: invalid arguments give an empty plan and bad_argument") 
   for (const auto& a : bad) {
     INFO(a[0], " ", a[1], " ", a[2]);
     CHECK(plan_slices(a[0], a[1], a[2]).empty());
-    CHECK(plan_slices_checked(a[0], a[1], a[2]).status() == Errc::bad_argument);
+    CHECK(test::plan_slices_checked(a[0], a[1], a[2]).status() == Errc::bad_argument);
     CHECK(first_slice(a[0], a[1], a[2]) == Slice{});
   }
-  CHECK(plan_slices_checked(0, 1, 1).ok());
-  CHECK(plan_slices_checked(0, 1, 1).value().empty());
+  CHECK(test::plan_slices_checked(0, 1, 1).ok());
+  CHECK(test::plan_slices_checked(0, 1, 1).value().empty());
   CHECK(first_slice(0, 8, 2) == Slice{});
 }
 
@@ -762,7 +763,7 @@ TEST_CASE("session table: while a batch is in flight, verbs and a second step ar
   check_refused(busy, table_before, cache_before, table.accept(Tokens{1}), Errc::bad_argument);
   check_refused(busy, table_before, cache_before, table.accept(Tokens{1, 2, 3}), Errc::bad_argument);
   CHECK(table.reap().empty());
-  check_refused(busy, table_before, cache_before, table.check_batch(r.batch), Errc::ok);
+  check_refused(busy, table_before, cache_before, test::check_batch(table, r.batch), Errc::ok);
 
   REQUIRE(table.accept(Tokens{52, 80}).ok());
   CHECK(to_tokens(table.output(busy.a).value()) == Tokens{50, 51, 52});
@@ -778,14 +779,14 @@ TEST_CASE("session table: check_batch refusals") {
   const SessionId d = table.add(Tokens{20, 21}, 0).value();
   const StepBatch good{{50, 10, 11, 12, 20, 21}, {0, 1, 1, 1, 2, 2}, {{0, a, true}, {3, b, true}, {5, d, false}}};
   const CellTable before = table;
-  CHECK(table.check_batch(good).ok());
+  CHECK(test::check_batch(table, good).ok());
 
   auto variant = [&](auto change) {
     StepBatch v = good;
     change(v);
-    return table.check_batch(v);
+    return test::check_batch(table, v);
   };
-  CHECK(table.check_batch(StepBatch{}) == Errc::empty_step);
+  CHECK(test::check_batch(table, StepBatch{}) == Errc::empty_step);
   CHECK(variant([](StepBatch& v) {
           v.tokens.assign(9, 1);
           v.seqs.assign(9, 0);
@@ -827,7 +828,7 @@ TEST_CASE("session table: check_batch refusals") {
 
   // The order of the runs is not checked; each feeding run is judged by the room where it begins.
   const StepBatch reordered{{20, 21, 50, 10, 11, 12}, {2, 2, 0, 1, 1, 1}, {{1, d, false}, {2, a, true}, {5, b, true}}};
-  CHECK(table.check_batch(reordered).ok());
+  CHECK(test::check_batch(table, reordered).ok());
   CHECK(table == before);
 
   const auto batch = table.next_step();
@@ -842,17 +843,17 @@ TEST_CASE("session table: check_batch judges a prompt slice by the room where it
   run(cache, table, {50});
   const SessionId b = table.add(iota_tokens(10, 10), 1).value();
   const StepBatch good{{50, 10, 11, 12, 13, 14, 15, 16}, {0, 1, 1, 1, 1, 1, 1, 1}, {{0, a, true}, {7, b, false}}};
-  CHECK(table.check_batch(good).ok());
+  CHECK(test::check_batch(table, good).ok());
   // b first: row 0 leaves room 8, so its slice is 8 tokens, not 7.
   const StepBatch b_first{{10, 11, 12, 13, 14, 15, 16, 50}, {1, 1, 1, 1, 1, 1, 1, 0}, {{6, b, false}, {7, a, true}}};
-  CHECK(table.check_batch(b_first) == Errc::bad_argument);
+  CHECK(test::check_batch(table, b_first) == Errc::bad_argument);
   const StepBatch b_alone{iota_tokens(10, 8), Tokens(8, 1), {{7, b, false}}};
-  CHECK(table.check_batch(b_alone).ok());
+  CHECK(test::check_batch(table, b_alone).ok());
   // A slice shorter than the room allows, or one token where a prefill fits.
   const StepBatch b_short{{50, 10, 11, 12, 13, 14}, {0, 1, 1, 1, 1, 1}, {{0, a, true}, {5, b, false}}};
-  CHECK(table.check_batch(b_short) == Errc::bad_argument);
+  CHECK(test::check_batch(table, b_short) == Errc::bad_argument);
   const StepBatch b_one{{50, 10}, {0, 1}, {{0, a, true}, {1, b, false}}};
-  CHECK(table.check_batch(b_one) == Errc::bad_argument);
+  CHECK(test::check_batch(table, b_one) == Errc::bad_argument);
   const auto batch = table.next_step();
   REQUIRE(batch.ok());
   CHECK(batch.value() == good);
@@ -1085,7 +1086,7 @@ class Simulation {
     const StepBatch& batch = got.value();
     REQUIRE(batch == expected);
     REQUIRE(batch.size() <= limits_.max_write);
-    REQUIRE(table_.check_batch(batch).ok());
+    REQUIRE(test::check_batch(table_, batch).ok());
     const auto plan = cache_.declare_step(batch.seqs);
     if (!plan.ok()) {
       CHECK(plan.status() == Errc::out_of_cells);
@@ -1297,4 +1298,219 @@ TEST_CASE("session table: long random simulation, sequence layout") {
     MESSAGE("slot seed ", config.seed, ": steps ", n.steps, " added ", n.added, " cloned ", n.cloned, " finished ",
             n.finished, " reaped ", n.reaped, " refused ", n.refused, " abandoned ", n.abandoned, " idle ", n.idle);
   }
+}
+
+// ================================ sampling, stops, tokens one step behind ================================
+
+TEST_CASE("session table: add refuses ids outside the vocabulary, bad sampling and impossible budgets") {
+  Cells cache = make_cells(4, 64);
+  CellTable table(cache, {.max_write = 8, .min_prefill_tokens = 2, .max_tokens_per_session = 100, .vocab = 50});
+  const SessionId a = table.add(Tokens{1, 2, 49}, 3, {.temperature = 1.f, .seed = 5}).value();
+  const CellTable table_before = table;
+  const Cells cache_before = cache;
+  auto refused = [&](SessionStatus got, Errc code, SessionErrc detail) {
+    CHECK(got == code);
+    CHECK(got == detail);
+    CHECK(got.session() == 0);
+    CHECK(table == table_before);
+    CHECK(cache == cache_before);
+  };
+  refused(table.add(Tokens{1, 50}, 3).status(), Errc::bad_argument, SessionErrc::token_out_of_vocab);
+  refused(table.add(Tokens{-1}, 3).status(), Errc::bad_argument, SessionErrc::token_out_of_vocab);
+  refused(table.add(Tokens{1}, 3, {.temperature = -0.5f}).status(), Errc::bad_argument, SessionErrc::bad_temperature);
+  refused(table.add(Tokens{1}, 3, {.top_k = -1}).status(), Errc::bad_argument, SessionErrc::bad_top_k);
+  refused(table.add(Tokens{1}, 3, {.top_p = 0.f}).status(), Errc::bad_argument, SessionErrc::bad_top_p);
+  refused(table.add(Tokens{1}, 3, {.min_p = -1.f}).status(), Errc::bad_argument, SessionErrc::bad_min_p);
+  refused(table.add(Tokens{1}, 3, {.stop_tokens = {7, 50}}).status(), Errc::bad_argument, SessionErrc::bad_stop_token);
+  // 64 cells: a prompt of 40 and 25 new tokens holds 64 tokens at most; 26 would need 65.
+  refused(table.add(iota_tokens(0, 40), 26).status(), Errc::over_budget, SessionErrc::exceeds_cache);
+  refused(table.clone(a, 63, {}).status(), Errc::over_budget, SessionErrc::exceeds_cache);
+  refused(table.clone(a, 3, {.top_p = 3.f}).status(), Errc::bad_argument, SessionErrc::bad_top_p);
+  refused(table.add(Tokens(60, 1), 41).status(), Errc::over_budget, SessionErrc::none);  // the session budget
+  CHECK(table.add(iota_tokens(0, 40), 25).ok());
+  CHECK(table.add(Tokens{49}, 3, {.temperature = 0.5f, .top_k = 3, .top_p = 1.f, .min_p = 1.f, .stop_tokens = {0, 49}}).ok());
+  const SessionId c = table.clone(a, 2).value();  // src's sampling
+  CHECK(table.sampling(c).value() == table.sampling(a).value());
+  CHECK(table.max_new_tokens(c).value() == 2);
+  const std::string m = SessionStatus(Errc::bad_argument, SessionErrc::bad_top_p, 7).message();
+  CHECK(m.find("bad argument") != std::string::npos);
+  CHECK(m.find("session 7") != std::string::npos);
+  CHECK(m.find("top_p") != std::string::npos);
+}
+
+TEST_CASE("session table: the sequence layout refuses sessions longer than max_len at add") {
+  Slots cache({.max_write = 8, .max_seqs = 4, .max_len = 16});
+  SlotTable table(cache, {.max_write = 8, .min_prefill_tokens = 2, .max_tokens_per_session = 64});
+  const Slots before = cache;
+  CHECK(table.add(iota_tokens(0, 10), 8).status() == SessionErrc::exceeds_sequence);  // 17 tokens held
+  CHECK(table.add(iota_tokens(0, 17), 0).status() == SessionErrc::exceeds_sequence);
+  CHECK(cache == before);
+  CHECK(table.live_count() == 0);
+  const SessionId a = table.add(iota_tokens(0, 10), 7).value();  // 16 tokens held at most
+  const SessionId b = table.add(iota_tokens(0, 16), 0).value();
+  // Run a to the end: its sequence never passes max_len.
+  while (table.state(a).value() != SessionState::done) {
+    Ran r = declare(cache, table);
+    REQUIRE(table.accept(Tokens(r.batch.logit_rows.size() - (table.state(b).value() == SessionState::feeding ? 1 : 0), 3)).ok());
+  }
+  CHECK(table.cached_tokens(a).value() == 16);
+  CHECK(cache.pos(table.sequence_of(a).value()).value() == 16);
+}
+
+TEST_CASE("session table: a stop token accepted at once ends its session") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{1, 2}, 10, {.stop_tokens = {99, 7}}).value();
+  const SessionId b = table.add(Tokens{3}, 3).value();
+  run(cache, table, {5, 7});  // b samples 7: not its stop token
+  run(cache, table, {7, 8});  // a samples its stop token
+  CHECK(table.state(a).value() == SessionState::done);
+  CHECK(to_tokens(table.output(a).value()) == Tokens{5, 7});
+  CHECK(table.cached_tokens(a).value() == 3);
+  const Ran r = run(cache, table, {9});
+  CHECK(r.batch.tokens == Tokens{8});  // only b
+  CHECK(table.state(b).value() == SessionState::done);
+  CHECK(table.discarded_tokens() == 0);
+  check_positions(cache, table);
+}
+
+TEST_CASE("session table: tokens one step behind: deferred ids, late stops discarded and rewound") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{1, 2, 3}, 6, {.stop_tokens = {40}}).value();
+  const SessionId b = table.add(Tokens{4}, 6, {.temperature = 1.f, .seed = 11}).value();
+
+  // Step 1: both prompts; the sampled tokens stay on the device.
+  auto s1 = table.next_step();
+  REQUIRE(s1.ok());
+  CHECK(s1.value().deferred.empty());
+  std::vector<SampleRow> rows;
+  table.sample_rows(s1.value(), rows);
+  REQUIRE(rows.size() == 2);
+  CHECK(rows[0].counter == 0);
+  CHECK(rows[1] == make_sample_row({.temperature = 1.f, .seed = 11}, 0));
+  REQUIRE(cache.declare_step(s1.value().seqs).ok());
+  REQUIRE(table.accept_pending().ok());
+  CHECK(table.pending_steps() == 1);
+  CHECK(table.pending_samples() == 2);
+  CHECK(table.output(a).value().empty());
+  CHECK(table.state(a).value() == SessionState::generating);
+  CHECK(table.cached_tokens(a).value() == 3);
+
+  // Step 2: both decode their tokens from step 1, which the forward reads on the device.
+  auto s2 = table.next_step();
+  REQUIRE(s2.ok());
+  CHECK(s2.value().tokens == Tokens{kPendingToken, kPendingToken});
+  CHECK(s2.value().deferred == std::vector<DeferredToken>{{0, 0}, {1, 1}});
+  table.sample_rows(s2.value(), rows);
+  CHECK(rows[0].counter == 1);
+  CHECK(rows[1].counter == 1);
+  REQUIRE(cache.declare_step(s2.value().seqs).ok());
+  REQUIRE(table.accept_pending().ok());
+  CHECK(table.cached_tokens(a).value() == 4);
+
+  // Step 1 comes back: a sampled its stop token. Its step-2 token is discarded, its sequence rewound.
+  CHECK(table.resolve(Tokens{40, 1}) .ok());
+  CHECK(to_tokens(table.output(a).value()) == Tokens{40});
+  CHECK(to_tokens(table.output(b).value()) == Tokens{1});
+  CHECK(table.state(a).value() == SessionState::done);
+  CHECK(table.cached_tokens(a).value() == 3);
+  CHECK(cache.pos(table.sequence_of(a).value()).value() == 3);
+  CHECK(table.rewind_points() == std::vector<RewindPoint>{{0, 3}});
+  CHECK(table.discarded_tokens() == 1);
+
+  // Step 3: only b, its token from step 2 deferred again.
+  auto s3 = table.next_step();
+  REQUIRE(s3.ok());
+  CHECK(s3.value().seqs == Tokens{1});
+  CHECK(s3.value().deferred == std::vector<DeferredToken>{{0, 1}});
+  REQUIRE(cache.declare_step(s3.value().seqs).ok());
+  REQUIRE(table.accept_pending().ok());
+  CHECK(table.resolve(Tokens{30, 2}).ok());  // step 2: a's entry is skipped
+  CHECK(to_tokens(table.output(a).value()) == Tokens{40});
+  CHECK(to_tokens(table.output(b).value()) == Tokens{1, 2});
+  CHECK(table.resolve(Tokens{3}).ok());
+  CHECK(to_tokens(table.output(b).value()) == Tokens{1, 2, 3});
+  CHECK(table.pending_steps() == 0);
+  check_positions(cache, table);
+  CHECK(table.reap() == Ids{a});
+}
+
+TEST_CASE("session table: a token on its way from an older step must be resolved before it is fed") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{1}, 6).value();
+  const SessionId b = table.add(Tokens{2}, 6).value();
+  auto step = [&](std::int32_t width) {
+    auto s = table.next_step(width);
+    REQUIRE(s.ok());
+    REQUIRE(cache.declare_step(s.value().seqs).ok());
+    REQUIRE(table.accept_pending().ok());
+    return s.value();
+  };
+  step(0);                                    // a and b sample
+  const StepBatch only_a = step(1);           // room for a alone
+  CHECK(only_a.deferred == std::vector<DeferredToken>{{0, 0}});
+  const CellTable before = table;
+  CHECK(table.next_step().status() == Errc::bad_argument);  // b's token is from step 1, not step 2
+  CHECK(table == before);
+  CHECK(table.accept(Tokens{1}) == Errc::bad_argument);  // no open batch; steps on their way
+  CHECK(table.resolve(Tokens{1}) == Errc::bad_argument);  // step 1 has two samples
+  CHECK(table.resolve(Tokens{1, 2, 3}) == Errc::bad_argument);
+  CHECK(table == before);
+  REQUIRE(table.resolve(Tokens{10, 20}).ok());
+  const auto s3 = table.next_step();
+  REQUIRE(s3.ok());
+  CHECK(s3.value().tokens == Tokens{kPendingToken, 20});  // a's from step 2, b's known now
+  CHECK(s3.value().deferred == std::vector<DeferredToken>{{0, 0}});
+  table.abandon();
+  CHECK(to_tokens(table.output(b).value()) == Tokens{20});
+  check_positions(cache, table);
+  (void)a;
+}
+
+TEST_CASE("session table: discard_pending drops lost tokens and steps the sessions back") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{1, 2}, 6).value();
+  run(cache, table, {5});
+  for (int i = 0; i < 2; ++i) {
+    auto s = table.next_step();
+    REQUIRE(s.ok());
+    REQUIRE(cache.declare_step(s.value().seqs).ok());
+    REQUIRE(table.accept_pending().ok());
+  }
+  CHECK(table.cached_tokens(a).value() == 4);  // 2 prompt + 5 + the token on its way from step 2
+  table.discard_pending();                      // step 2's token is lost, and with it step 3's
+  CHECK(table.pending_steps() == 1);
+  CHECK(to_tokens(table.output(a).value()) == Tokens{5});
+  CHECK(table.cached_tokens(a).value() == 2);
+  CHECK(cache.pos(0).value() == 2);
+  CHECK(table.resolve(Tokens{9}).ok());  // step 3's entry is gone: skipped
+  CHECK(to_tokens(table.output(a).value()) == Tokens{5});
+  const Ran r = run(cache, table, {6});  // a feeds 5 again
+  CHECK(r.batch.tokens == Tokens{5});
+  CHECK(r.positions == Positions{2});
+  check_positions(cache, table);
+}
+
+TEST_CASE("session table: log-probs are kept for the sessions that ask") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{1}, 3, {.logprobs = true}).value();
+  const SessionId b = table.add(Tokens{2}, 3).value();
+  const std::vector<float> lp = {-0.5f, -1.5f};
+  auto s = table.next_step();
+  REQUIRE(s.ok());
+  REQUIRE(cache.declare_step(s.value().seqs).ok());
+  REQUIRE(table.accept(Tokens{7, 8}, lp).ok());
+  CHECK(std::vector<float>(table.logprobs(a).value().begin(), table.logprobs(a).value().end()) == std::vector<float>{-0.5f});
+  CHECK(table.logprobs(b).value().empty());
+  s = table.next_step();
+  REQUIRE(s.ok());
+  REQUIRE(cache.declare_step(s.value().seqs).ok());
+  CHECK(table.accept(Tokens{7, 8}, std::vector<float>{1.f}) == Errc::bad_argument);  // count differs
+  CHECK(table.accept(Tokens{7, -3}) == Errc::bad_argument);
+  REQUIRE(table.accept(Tokens{9, 10}).ok());  // no log-probs given: 0
+  CHECK(table.logprobs(a).value().size() == 2);
 }

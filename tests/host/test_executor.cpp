@@ -1,16 +1,23 @@
 // The executor on the host reference path with the example decoder: batched generation equals
 // solo generation token for token (different prompt lengths, a fork), a hand-made schedule of
 // widths 20, 1, 4, 2, 4, 7, 3 with partial prefills uses both methods and still matches, and cells
-// reused across rounds of sessions leak nothing. The host path computes in fp32 with a fixed
-// summation order per row, so equality is exact up to float ties.
+// reused across rounds of sessions leak nothing; seeded sampling is the same batched, solo, with or
+// without overlap; stop tokens end sessions (the token after is discarded and rewound); tokens come
+// back one step behind; refusals at add (budgets, ids, sampling) and at step time (naming the
+// session) change nothing. The host path computes in fp32 with a fixed summation order per row,
+// so equality is exact up to float ties.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "cellkv/batching/executor.hpp"
 #include "cellkv/cell_cache.hpp"
 #include "llama/host_llama.hpp"
+#include "batch_checks.hpp"
 #include "support.hpp"
 
 namespace {
@@ -119,15 +126,193 @@ TEST_CASE("host executor: cells reused across rounds of sessions leak no K/V") {
   }
 }
 
-TEST_CASE("host executor: a step that cannot be placed is refused and changes nothing") {
-  const CacheConfig tiny{.max_write = 24, .max_cells = 12, .max_seqs = 8};
+TEST_CASE("host executor: a step that cannot be placed is refused, names the session and changes nothing") {
+  const CacheConfig tiny{.max_write = 24, .max_cells = 30, .max_seqs = 8};
   Cells cache(tiny);
   llama::HostLlama<Cells> model(kConfig, weights(), cache);
   Executor exec(model, cache, kLimits);
-  const SessionId id = exec.sessions().add(prompt_of(20, 3), 4).value();
+  const SessionId a = exec.sessions().add(prompt_of(12, 3), 4).value();
+  const SessionId b = exec.sessions().add(prompt_of(12, 4), 4).value();
+  REQUIRE(exec.step().ok());  // a's 12 and b's 12 tokens: 24 cells
+  const SessionId c = exec.sessions().add(prompt_of(10, 5), 2).value();
   const Cells before = cache;
-  CHECK(exec.step().status() == Errc::out_of_cells);  // 20 prompt tokens, 12 cells
+  const auto table_before = exec.sessions();
+  // a and b decode (2 tokens), c's 10 prompt tokens: 12 > 6 free cells; the first token past them
+  // is c's.
+  const auto refused = exec.step();
+  CHECK(refused.status() == Errc::out_of_cells);
+  CHECK(refused.status() == SessionErrc::no_room);
+  CHECK(refused.status().session() == c);
+  CHECK(refused.status().message().find("session 3") != std::string::npos);
   CHECK(cache == before);
-  CHECK(exec.sessions().cached_tokens(id).value() == 0);
-  CHECK(exec.step(10).ok());  // a narrower step fits
+  CHECK(exec.sessions() == table_before);
+  CHECK(exec.step(6).ok());  // a narrower step fits: a, b and 4 of c's tokens
+  CHECK(exec.sessions().cached_tokens(c).value() == 4);
+  CHECK(exec.sessions().is_live(a));
+  CHECK(exec.sessions().is_live(b));
+}
+
+TEST_CASE("host executor: impossible budgets and bad input are refused at add, changing nothing") {
+  Slots cache(kCacheConfig);  // max_len 96
+  llama::HostLlama<Slots> model(kConfig, weights(), cache);
+  Executor exec(model, cache, {.max_write = 24, .min_prefill_tokens = 2, .max_tokens_per_session = 200});
+  CHECK(exec.sessions().limits().vocab == kConfig.vocab);  // taken from the model
+  const Slots before = cache;
+  const auto table_before = exec.sessions();
+  auto refused = [&](SessionResult<SessionId> r, Errc code, SessionErrc detail) {
+    CHECK(r.status() == code);
+    CHECK(r.status() == detail);
+    CHECK(cache == before);
+    CHECK(exec.sessions() == table_before);
+  };
+  refused(exec.sessions().add(prompt_of(90, 1), 8), Errc::over_budget, SessionErrc::exceeds_sequence);  // 97 > 96
+  CHECK(exec.sessions().add(prompt_of(90, 1), 7).ok());  // 96 tokens held at most: fits
+  const Slots after_one = cache;
+  const auto table_one = exec.sessions();
+  auto refused_now = [&](SessionResult<SessionId> r, Errc code, SessionErrc detail) {
+    CHECK(r.status() == code);
+    CHECK(r.status() == detail);
+    CHECK(cache == after_one);
+    CHECK(exec.sessions() == table_one);
+  };
+  std::vector<std::int32_t> bad = prompt_of(5, 1);
+  bad[2] = kConfig.vocab;
+  refused_now(exec.sessions().add(bad, 4), Errc::bad_argument, SessionErrc::token_out_of_vocab);
+  bad[2] = -7;
+  refused_now(exec.sessions().add(bad, 4), Errc::bad_argument, SessionErrc::token_out_of_vocab);
+  refused_now(exec.sessions().add(prompt_of(5, 1), 4, {.temperature = -1.f}), Errc::bad_argument, SessionErrc::bad_temperature);
+  refused_now(exec.sessions().add(prompt_of(5, 1), 4, {.top_k = -2}), Errc::bad_argument, SessionErrc::bad_top_k);
+  refused_now(exec.sessions().add(prompt_of(5, 1), 4, {.top_p = 0.f}), Errc::bad_argument, SessionErrc::bad_top_p);
+  refused_now(exec.sessions().add(prompt_of(5, 1), 4, {.top_p = 1.5f}), Errc::bad_argument, SessionErrc::bad_top_p);
+  refused_now(exec.sessions().add(prompt_of(5, 1), 4, {.min_p = 2.f}), Errc::bad_argument, SessionErrc::bad_min_p);
+  refused_now(exec.sessions().add(prompt_of(5, 1), 4, {.stop_tokens = {kConfig.vocab}}), Errc::bad_argument,
+              SessionErrc::bad_stop_token);
+  const SessionId first = exec.sessions().sessions().front();
+  refused_now(exec.sessions().clone(first, 8), Errc::over_budget, SessionErrc::exceeds_sequence);
+  refused_now(exec.sessions().clone(first, 4, {.top_p = 2.f}), Errc::bad_argument, SessionErrc::bad_top_p);
+  CHECK_THROWS_AS(Executor(model, cache, {.max_write = 24, .min_prefill_tokens = 2, .max_tokens_per_session = 96,
+                                          .vocab = kConfig.vocab + 1}),
+                  std::invalid_argument);
+}
+
+TEST_CASE("host executor: the model refuses token ids outside its vocabulary") {
+  Cells cache(kCacheConfig);
+  llama::HostLlama<Cells> model(kConfig, weights(), cache);
+  const std::int32_t seq = cache.seq_new().value();
+  const std::int32_t seqs[] = {seq, seq};
+  const auto plan = cache.declare_step(seqs);
+  REQUIRE(plan.ok());
+  const std::int32_t rows[] = {1};
+  const SampleRow sampling[] = {SampleRow{}};
+  for (const std::int32_t bad : {kConfig.vocab, -1, 1 << 30}) {
+    const std::int32_t tokens[] = {3, bad};
+    CHECK(model.forward({tokens, plan.value().positions, rows, sampling, {}, Method::prefill}) == Errc::bad_argument);
+  }
+  std::int32_t out[1];
+  float lp[1];
+  CHECK(model.retire(out, lp) == Errc::bad_argument);  // nothing was run
+  const std::int32_t good[] = {3, kConfig.vocab - 1};
+  CHECK(model.forward({good, plan.value().positions, rows, sampling, {}, Method::prefill}).ok());
+  CHECK(model.retire(out, lp).ok());
+  CHECK(out[0] == argmax(model.last_logits()));
+}
+
+namespace {
+
+// Sessions with different sampling parameters; the same list batched or solo.
+const SamplingParams kSampling[] = {
+    {.temperature = 0.8f, .top_k = 20, .top_p = 0.9f, .seed = 1},
+    {.temperature = 1.2f, .seed = 2},
+    {.temperature = 0.f},
+    {.temperature = 1.f, .top_p = 0.7f, .min_p = 0.05f, .seed = 3, .logprobs = true},
+    {.temperature = 0.6f, .top_k = 5, .seed = 4},
+};
+
+template <class Cache>
+std::vector<std::int32_t> solo_sampled(const std::vector<std::int32_t>& prompt, std::int32_t max_new,
+                                       const SamplingParams& p, ExecutorOptions options = {}) {
+  Cache cache(kCacheConfig);
+  llama::HostLlama<Cache> model(kConfig, weights(), cache);
+  Executor exec(model, cache, kLimits, options);
+  const SessionId id = exec.sessions().add(prompt, max_new, p).value();
+  REQUIRE(exec.run_until_idle().ok());
+  return output_of(exec, id);
+}
+
+}  // namespace
+
+TEST_CASE("host executor: seeded sampling is the same batched, solo, and with or without overlap") {
+  Cells cache(kCacheConfig);
+  llama::HostLlama<Cells> model(kConfig, weights(), cache);
+  Executor exec(model, cache, kLimits);
+  std::vector<SessionId> ids;
+  for (std::int32_t i = 0; i < 5; ++i) ids.push_back(exec.sessions().add(prompt_of(3 + 6 * i, i), 14, kSampling[i]).value());
+  for (const std::int32_t w : {7, 24, 3, 1, 24}) REQUIRE(exec.step(w).ok());  // an odd mix of widths
+  const SessionId fork = exec.sessions().clone(ids[1], 10, {.temperature = 1.f, .seed = 77}).value();
+  REQUIRE(exec.run_until_idle().ok());
+  std::int32_t greedy_differs = 0;
+  for (std::int32_t i = 0; i < 5; ++i) {
+    CAPTURE(i);
+    const auto got = output_of(exec, ids[static_cast<std::size_t>(i)]);
+    CHECK(got == solo_sampled<Cells>(prompt_of(3 + 6 * i, i), 14, kSampling[i]));
+    CHECK(got == solo_sampled<Cells>(prompt_of(3 + 6 * i, i), 14, kSampling[i], {.overlap = false}));
+    CHECK(got == solo_sampled<Slots>(prompt_of(3 + 6 * i, i), 14, kSampling[i]));
+    greedy_differs += got != solo_sampled<Cells>(prompt_of(3 + 6 * i, i), 14, {});
+  }
+  CHECK(greedy_differs >= 3);  // the sampled sessions really sample
+  CHECK(output_of(exec, fork) == solo_sampled<Cells>(prompt_of(9, 1), 10, {.temperature = 1.f, .seed = 77}));
+  // log-probs of the session that asked: one per token, each a log-probability.
+  const auto lp = exec.sessions().logprobs(ids[3]).value();
+  CHECK(lp.size() == 14);
+  for (const float x : lp) CHECK((x <= 0.f && x > -30.f));
+  CHECK(exec.sessions().logprobs(ids[0]).value().empty());
+}
+
+TEST_CASE("host executor: a stop token ends a session; the token after it is discarded and rewound") {
+  const std::vector<std::int32_t> prompt = prompt_of(7, 9);
+  const auto free_run = solo<Cells>(prompt, 12);
+  // The first token that did not appear before it: stopping there keeps exactly that prefix.
+  std::size_t at = 2;
+  while (at < free_run.size() && std::find(free_run.begin(), free_run.begin() + static_cast<std::ptrdiff_t>(at),
+                                           free_run[at]) != free_run.begin() + static_cast<std::ptrdiff_t>(at))
+    ++at;
+  REQUIRE(at < free_run.size());
+  const std::vector<std::int32_t> want(free_run.begin(), free_run.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+  for (const bool overlap : {true, false}) {
+    CAPTURE(overlap);
+    Cells cache(kCacheConfig);
+    llama::HostLlama<Cells> model(kConfig, weights(), cache);
+    Executor exec(model, cache, kLimits, {.overlap = overlap});
+    const SessionId id = exec.sessions().add(prompt, 12, {.stop_tokens = {free_run[at], kConfig.vocab - 1}}).value();
+    const SessionId other = exec.sessions().add(prompt_of(5, 2), 12).value();
+    REQUIRE(exec.run_until_idle().ok());
+    CHECK(output_of(exec, id) == want);
+    CHECK(exec.sessions().state(id).value() == SessionState::done);
+    CHECK(exec.sessions().cached_tokens(id).value() == static_cast<std::int32_t>(prompt.size() + want.size()) - 1);
+    CHECK(cache.pos(exec.sessions().sequence_of(id).value()).value() == exec.sessions().cached_tokens(id).value());
+    CHECK(output_of(exec, other) == solo<Cells>(prompt_of(5, 2), 12));
+    CHECK(exec.stats().tokens_discarded == (overlap ? 1 : 0));
+    CHECK(exec.stats().tokens_generated - exec.stats().tokens_discarded ==
+          static_cast<std::int64_t>(want.size()) + 12);
+  }
+}
+
+TEST_CASE("host executor: with overlap, tokens come back one step behind; drain brings in the rest") {
+  Cells cache(kCacheConfig);
+  llama::HostLlama<Cells> model(kConfig, weights(), cache);
+  Executor exec(model, cache, kLimits);
+  const SessionId id = exec.sessions().add(prompt_of(4, 1), 5).value();
+  REQUIRE(exec.step().ok());  // the prompt; its first token is sampled, not back yet
+  CHECK(exec.steps_in_flight() == 1);
+  CHECK(exec.sessions().output(id).value().empty());
+  CHECK(exec.sessions().state(id).value() == SessionState::generating);
+  REQUIRE(exec.step().ok());  // feeds that token from the model's own samples; the first comes back
+  CHECK(exec.sessions().output(id).value().size() == 1);
+  CHECK(exec.sessions().cached_tokens(id).value() == 5);
+  REQUIRE(exec.drain().ok());
+  CHECK(exec.steps_in_flight() == 0);
+  CHECK(exec.sessions().output(id).value().size() == 2);
+  REQUIRE(exec.run_until_idle().ok());
+  CHECK(output_of(exec, id) == solo<Cells>(prompt_of(4, 1), 5));
+  CHECK(exec.step().status() == Errc::empty_step);
 }

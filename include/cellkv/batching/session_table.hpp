@@ -1,12 +1,13 @@
-// cellkv/batching/session_table.hpp - sessions (a prompt plus a generation budget) packed into steps.
+// cellkv/batching/session_table.hpp - sessions (a prompt, a generation budget, a way to sample)
+// packed into steps.
 //
 //   cellkv::CellCache<cellkv::layout::cell, cellkv::Windows<0>> cache({.max_write = 8, .max_cells = 4096});
 //   cellkv::batching::SessionTable table(cache, {.max_write = 8, .min_prefill_tokens = 2,
-//                                                .max_tokens_per_session = 1024});
-//   const auto id = table.add(prompt, 16).value();
+//                                                .max_tokens_per_session = 1024, .vocab = 32000});
+//   const auto id = table.add(prompt, 16, {.temperature = 0.7f, .top_p = 0.9f, .seed = 42}).value();
 //   while (auto batch = table.next_step()) {          // Errc::empty_step: nothing left to run
 //     auto plan = cache.declare_step(batch.value().seqs);
-//     ... forward, logits of batch.value().logit_rows, sample ...
+//     ... forward, sample the rows of batch.value().logit_rows ...
 //     if (forward_ok) (void)table.accept(sampled); else table.abandon();
 //     for (SessionId done : table.reap()) ...;
 //   }
@@ -17,45 +18,59 @@
 //               the room left in that step (next_step), so a long prompt joins running sessions in
 //               chunks that fill the step;
 //   generating  one token per step: its last sampled token;
-//   done        it holds max_new_tokens generated tokens (the last one is never fed). It stays in
-//               the table, holding its sequence, until finish() or reap().
+//   done        it holds max_new_tokens generated tokens, or its last token is one of its stop
+//               tokens (the last token is never fed), and no token of it is still on its way. It
+//               stays in the table, holding its sequence, until finish() or reap().
 // Between steps the cache sequence of a session holds exactly its prompt tokens fed so far, then its
 // generated tokens but the last: cached_tokens(id) == cache.pos(sequence_of(id)).
 //
-// The step protocol: next_step() packs a batch and marks it in flight; the executor declares it to
-// the cache (cache.declare_step(batch.seqs)), runs the forward and calls accept(sampled), or
-// abandon() when the forward failed. While a batch is in flight the verbs add, clone and finish are
+// The step protocol: next_step() packs a batch and opens it; the caller declares it to the cache
+// (cache.declare_step(batch.seqs)), runs the forward and closes the batch with accept(sampled), or
+// with abandon() when the forward failed. While a batch is open the verbs add, clone and finish are
 // refused with Errc::bad_argument, reap() removes nothing and next_step() is refused with
 // Errc::bad_argument: a verb would invalidate the cache's placed step or the batch.
 //
-// Every refusal returns a Status naming the reason and changes nothing, in the table or the cache
+// Tokens one step behind (how the executor overlaps steps): accept_pending() closes the open batch
+// without the sampled tokens, which stay on the device; each sampled session gets a placeholder.
+// The next batch may then feed such a session its placeholder token: StepBatch::deferred names the
+// step row and the sampled row of the previous accepted step that holds the id (the forward reads
+// it on the device). resolve(sampled) later fills in the placeholders of the oldest accepted step.
+// A resolved stop token ends its session; a token sampled for it in a later, already accepted step
+// is discarded, and its cache sequence is rewound over the stop token that step fed. output() shows
+// resolved tokens only, and a session is done only once nothing of it is on its way.
+//
+// Every refusal returns a status naming the reason and changes nothing, in the table or the cache
 // (strong guarantee); a cache verb is the last thing a table verb does before it commits. The table
 // assumes it alone adds and removes the sequences of its sessions. Copies of a table are for
 // snapshots (compare with ==, which ignores which cache a table drives).
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "cellkv/batching/sampling.hpp"
+#include "cellkv/batching/session_status.hpp"
 #include "cellkv/batching/slices.hpp"
+#include "cellkv/layout.hpp"
 #include "cellkv/status.hpp"
 
 namespace cellkv::batching {
-
-// Monotonic from 1 within one table, never reused. 0 is never a session.
-using SessionId = std::uint64_t;
 
 // Fixed at construction. max_tokens_per_session bounds prompt + max_new_tokens of every session.
 struct SessionLimits {
   std::int32_t max_write = 0;               // widest step, in tokens; <= the cache's max_write
   std::int32_t min_prefill_tokens = 1;      // shortest prefill slice (plan_slices)
   std::int32_t max_tokens_per_session = 0;  // prompt + generated budget of one session
+  std::int32_t vocab = 0;  // prompt and stop token ids must lie in [0, vocab); 0: no upper bound
   friend bool operator==(const SessionLimits&, const SessionLimits&) = default;
 };
 
@@ -70,17 +85,32 @@ struct LogitRow {
   friend bool operator==(const LogitRow&, const LogitRow&) = default;
 };
 
+// The id a batch holds for a token that is still on the device (see DeferredToken).
+inline constexpr std::int32_t kPendingToken = -1;
+
+// Token `row` of a step is the token sampled for sampled row number `source` (counting the logit
+// rows with samples == true, in row order) of the previous accepted step; tokens[row] holds
+// kPendingToken.
+struct DeferredToken {
+  std::int32_t row = 0;
+  std::int32_t source = 0;
+  friend bool operator==(const DeferredToken&, const DeferredToken&) = default;
+};
+
 // One step: token t is tokens[t] of cache sequence seqs[t]. Each session's tokens are one
-// contiguous run in position order ending at its logit row; logit_rows ascend by row.
+// contiguous run in position order ending at its logit row; logit_rows ascend by row; deferred
+// ascends by row and is empty when every id is known on the host.
 struct StepBatch {
   std::vector<std::int32_t> tokens;
   std::vector<std::int32_t> seqs;
   std::vector<LogitRow> logit_rows;
+  std::vector<DeferredToken> deferred{};
   [[nodiscard]] std::int32_t size() const noexcept { return static_cast<std::int32_t>(tokens.size()); }
   friend bool operator==(const StepBatch&, const StepBatch&) = default;
 };
 
-// Keep positions < pos of cache sequence seq: undoes an abandoned step (cache.rewind(seq, pos)).
+// Keep positions < pos of cache sequence seq: undoes an abandoned step or a token fed after a stop
+// token (cache.rewind(seq, pos)).
 struct RewindPoint {
   std::int32_t seq = 0;
   std::int32_t pos = 0;
@@ -95,11 +125,22 @@ concept SessionCache = requires(C& c, std::int32_t s) {
   { c.seq_rm(s) } -> std::same_as<Status>;
 };
 
-// A cache abandon() can rewind itself.
+// A cache the table can rewind itself (abandon, tokens fed after a stop).
 template <class C>
 concept RewindableCache = SessionCache<C> && requires(C& c, std::int32_t s) {
   { c.rewind(s, s) } -> std::same_as<Status>;
 };
+
+// Why `params` cannot sample from a vocabulary of `vocab` ids (0: no upper bound), or none.
+[[nodiscard]] inline SessionErrc check_sampling(const SamplingParams& p, std::int32_t vocab) noexcept {
+  if (!(p.temperature >= 0.f) || !std::isfinite(p.temperature)) return SessionErrc::bad_temperature;
+  if (p.top_k < 0) return SessionErrc::bad_top_k;
+  if (!(p.top_p > 0.f && p.top_p <= 1.f)) return SessionErrc::bad_top_p;
+  if (!(p.min_p >= 0.f && p.min_p <= 1.f)) return SessionErrc::bad_min_p;
+  for (const std::int32_t t : p.stop_tokens)
+    if (t < 0 || (vocab > 0 && t >= vocab)) return SessionErrc::bad_stop_token;
+  return SessionErrc::none;
+}
 
 namespace detail {
 
@@ -110,6 +151,26 @@ template <class C>
     return cache.host();
   else
     return cache;
+}
+
+// The most tokens one sequence of the cache can hold, and the refusal detail past it: max_len on
+// the sequence layout, the capacity on the cell layout, no bound for a cache that says neither.
+struct SequenceRoom {
+  std::int64_t tokens = std::numeric_limits<std::int64_t>::max();
+  SessionErrc detail = SessionErrc::none;
+};
+template <class C>
+[[nodiscard]] SequenceRoom sequence_room(const C& cache) {
+  const auto& q = queries_of(cache);
+  using Q = std::remove_cvref_t<decltype(q)>;
+  if constexpr (requires { typename Q::Layout; q.config(); q.capacity(); }) {
+    if constexpr (std::is_same_v<typename Q::Layout, layout::sequence>)
+      return {q.config().max_len, SessionErrc::exceeds_sequence};
+    else
+      return {static_cast<std::int64_t>(q.capacity()), SessionErrc::exceeds_cache};
+  } else {
+    return {};
+  }
 }
 
 }  // namespace detail
@@ -124,10 +185,11 @@ class SessionTable {
                                   std::string(s.message()) + ")");
   }
 
-  // bad_argument unless max_write >= 1, min_prefill_tokens >= 1, max_tokens_per_session >= 1 and
-  // (when the cache, or its host(), reports it) max_write <= max_write().
+  // bad_argument unless max_write >= 1, min_prefill_tokens >= 1, max_tokens_per_session >= 1,
+  // vocab >= 0 and (when the cache, or its host(), reports it) max_write <= max_write().
   [[nodiscard]] static Status validate(const SessionLimits& l, const Cache& cache) {
-    if (l.max_write < 1 || l.min_prefill_tokens < 1 || l.max_tokens_per_session < 1) return Errc::bad_argument;
+    if (l.max_write < 1 || l.min_prefill_tokens < 1 || l.max_tokens_per_session < 1 || l.vocab < 0)
+      return Errc::bad_argument;
     if constexpr (requires { detail::queries_of(cache).max_write(); })
       if (l.max_write > detail::queries_of(cache).max_write()) return Errc::bad_argument;
     return {};
@@ -135,56 +197,75 @@ class SessionTable {
 
   // ---- verbs (between steps) ----
 
-  // A new session feeding `prompt`, then generating max_new_tokens tokens. Refuses, in this order:
-  // an empty prompt or max_new_tokens < 0 (bad_argument), a batch in flight (bad_argument),
-  // prompt.size() + max_new_tokens > max_tokens_per_session (over_budget), no free cache sequence
+  // A new session feeding `prompt`, then generating up to max_new_tokens tokens drawn as `sampling`
+  // says (greedy by default). Refuses, in this order: an empty prompt, max_new_tokens < 0 or an
+  // open batch (bad_argument); a prompt token id outside [0, vocab) (bad_argument,
+  // token_out_of_vocab); bad sampling parameters (bad_argument, check_sampling's detail);
+  // prompt.size() + max_new_tokens > max_tokens_per_session (over_budget); a session the cache can
+  // never hold, prompt.size() + max_new_tokens - 1 tokens past max_len (sequence layout) or the
+  // capacity (cell layout) (over_budget, exceeds_sequence / exceeds_cache); no free cache sequence
   // (too_many_sessions; any other refusal of cache.seq_new is passed on).
-  Result<SessionId> add(std::span<const std::int32_t> prompt, std::int32_t max_new_tokens) {
-    if (prompt.empty() || max_new_tokens < 0 || in_flight_) return Errc::bad_argument;
-    if (over_budget(prompt.size(), max_new_tokens)) return Errc::over_budget;
-    Session s = make_session(std::vector<std::int32_t>(prompt.begin(), prompt.end()), max_new_tokens, 0);
+  SessionResult<SessionId> add(std::span<const std::int32_t> prompt, std::int32_t max_new_tokens,
+                               SamplingParams sampling = {}) {
+    if (prompt.empty() || max_new_tokens < 0 || batch_open()) return Errc::bad_argument;
+    for (const std::int32_t t : prompt)
+      if (!in_vocab(t)) return SessionStatus(Errc::bad_argument, SessionErrc::token_out_of_vocab);
+    if (const SessionErrc e = check_sampling(sampling, limits_.vocab); e != SessionErrc::none)
+      return SessionStatus(Errc::bad_argument, e);
+    if (const SessionStatus s = check_budget(prompt.size(), max_new_tokens); !s.ok()) return s;
+    Session s = make_session(std::vector<std::int32_t>(prompt.begin(), prompt.end()), max_new_tokens, 0,
+                             std::move(sampling));
     sessions_.reserve(sessions_.size() + 1);  // commit cannot throw once the cache has changed
     const Result<std::int32_t> seq = cache_->seq_new();
     if (!seq.ok()) return cache_refusal(seq.status());
     return commit(std::move(s), seq.value());
   }
 
-  // A new session with src's prompt and its own budget of max_new_tokens, sharing src's cache
-  // positions < shared = min(prompt tokens src has fed, prompt.size() - 1) through
-  // cache.seq_clone(src_seq, shared). The clone feeds the rest of the prompt itself (at least the
-  // last prompt token, whose logits give its own first token), then generates independently.
-  // Refuses, in this order: unknown src (unknown_session), max_new_tokens < 0 or a batch in flight
-  // (bad_argument), over_budget, too_many_sessions (as add).
-  Result<SessionId> clone(SessionId src, std::int32_t max_new_tokens) {
+  // A new session with src's prompt, its own budget of max_new_tokens and `sampling` (src's when
+  // not given), sharing src's cache positions < shared = min(prompt tokens src has fed,
+  // prompt.size() - 1) through cache.seq_clone(src_seq, shared). The clone feeds the rest of the
+  // prompt itself (at least the last prompt token, whose logits give its own first token), then
+  // generates independently. Refuses, in this order: unknown src (unknown_session), max_new_tokens
+  // < 0 or an open batch (bad_argument), bad sampling parameters, over_budget (both kinds, as
+  // add), too_many_sessions (as add).
+  SessionResult<SessionId> clone(SessionId src, std::int32_t max_new_tokens) {
     const Session* from = find(src);
     if (from == nullptr) return Errc::unknown_session;
-    if (max_new_tokens < 0 || in_flight_) return Errc::bad_argument;
-    if (over_budget(from->prompt.size(), max_new_tokens)) return Errc::over_budget;
+    return clone(src, max_new_tokens, from->sampling);
+  }
+  SessionResult<SessionId> clone(SessionId src, std::int32_t max_new_tokens, SamplingParams sampling) {
+    const Session* from = find(src);
+    if (from == nullptr) return Errc::unknown_session;
+    if (max_new_tokens < 0 || batch_open()) return Errc::bad_argument;
+    if (const SessionErrc e = check_sampling(sampling, limits_.vocab); e != SessionErrc::none)
+      return SessionStatus(Errc::bad_argument, e);
+    if (const SessionStatus s = check_budget(from->prompt.size(), max_new_tokens); !s.ok()) return s;
     const std::int32_t shared = std::min(from->fed, prompt_size(*from) - 1);
     const std::int32_t src_seq = from->seq;
-    Session s = make_session(from->prompt, max_new_tokens, shared);
+    Session s = make_session(from->prompt, max_new_tokens, shared, std::move(sampling));
     sessions_.reserve(sessions_.size() + 1);  // invalidates `from`; not used below
     const Result<std::int32_t> seq = cache_->seq_clone(src_seq, shared);
     if (!seq.ok()) return cache_refusal(seq.status());
     return commit(std::move(s), seq.value());
   }
 
-  // Ends a live session in any state: removes its cache sequence and drops it from the table.
-  // Refuses: unknown_session; a batch in flight (bad_argument); a refusal of cache.seq_rm.
+  // Ends a live session in any state: removes its cache sequence and drops it from the table (its
+  // tokens still on their way are dropped when they are resolved). Refuses: unknown_session; an
+  // open batch (bad_argument); a refusal of cache.seq_rm.
   Status finish(SessionId id) {
     const auto it = locate(id);
     if (it == sessions_.end()) return Errc::unknown_session;
-    if (in_flight_) return Errc::bad_argument;
+    if (batch_open()) return Errc::bad_argument;
     if (const Status s = cache_->seq_rm(it->seq); !s.ok()) return s;
     sessions_.erase(it);
     return {};
   }
 
-  // Finishes every done session; returns their ids, ascending. Removes nothing while a batch is in
-  // flight; a session whose cache.seq_rm is refused stays in the table.
+  // Finishes every done session; returns their ids, ascending. Removes nothing while a batch is
+  // open; a session whose cache.seq_rm is refused stays in the table.
   std::vector<SessionId> reap() {
     std::vector<SessionId> reaped;
-    if (in_flight_) return reaped;
+    if (batch_open()) return reaped;
     std::vector<Session> kept;
     kept.reserve(sessions_.size());
     reaped.reserve(sessions_.size());
@@ -200,8 +281,10 @@ class SessionTable {
 
   // ---- the step ----
 
-  // Packs one step of at most max_write tokens and marks it in flight. `room` starts at max_write;
-  //  1. one token of every generating session, oldest first, while room > 0 (room -= 1 each);
+  // Packs one step of at most max_write tokens and opens it. `room` starts at max_write;
+  //  1. one token of every generating session with tokens left to generate (fewer than
+  //     max_new_tokens generated or on their way, no stop token), oldest first, while room > 0
+  //     (room -= 1 each); a token still on the device goes in as a DeferredToken;
   //  2. then one prompt slice of every feeding session, oldest first, planned now against the room
   //     left: first_slice(r, room, min_prefill_tokens), i.e. plan_slices(r, room,
   //     min_prefill_tokens).front(), where r = its prompt tokens not yet fed. That is a prefill of
@@ -217,16 +300,21 @@ class SessionTable {
   // feed when it was added, its own and those of the older feeding sessions.
   // `width` (0: max_write) packs a narrower step, as if max_write were width: schedules of chosen
   // widths (tests, latency caps).
-  // Refuses: a batch in flight or width outside [0, max_write] (bad_argument); no session with
-  // work (empty_step). Does not call cache.declare_step.
+  // Refuses: an open batch, width outside [0, max_write], or a token to feed that is on its way
+  // from an accepted step older than the last (resolve that step first) (bad_argument); no session
+  // with work (empty_step). Does not call cache.declare_step.
   Result<StepBatch> next_step(std::int32_t width = 0) {
-    if (in_flight_ || width < 0 || width > limits_.max_write) return Errc::bad_argument;
+    if (batch_open() || width < 0 || width > limits_.max_write) return Errc::bad_argument;
     StepBatch batch;
     std::vector<Entry> entries;
     std::int32_t room = width == 0 ? limits_.max_write : width;
     for (const Session& s : sessions_) {
       if (room == 0) break;
-      if (state_of(s) != SessionState::generating) continue;
+      if (!decodes(s)) continue;
+      if (on_its_way(s)) {
+        if (s.source_step != accepted_steps_) return Errc::bad_argument;
+        batch.deferred.push_back({batch.size(), s.source_row});
+      }
       append(batch, entries, s, std::span<const std::int32_t>(&s.output.back(), 1), false, true);
       --room;
     }
@@ -242,64 +330,111 @@ class SessionTable {
       fed_prompt = true;
     }
     if (batch.tokens.empty()) return Errc::empty_step;
-    inflight_ = std::move(entries);
-    in_flight_ = true;
+    open_batch_ = std::move(entries);
     return batch;
   }
 
-  // Completes the batch in flight: `sampled` holds one token per logit row with samples == true,
-  // in row order. Advances each session of the batch (prompt fed, tokens generated); a session
-  // that reaches max_new_tokens becomes done. Refuses (bad_argument): no batch in flight, or a
-  // count that does not match.
-  Status accept(std::span<const std::int32_t> sampled) {
-    if (!in_flight_ || sampled.size() != samples_in_flight()) return Errc::bad_argument;
-    std::size_t k = 0;
-    for (const Entry& e : inflight_) {
+  // The SampleRow of every logit row of the open batch with samples == true, in row order (the
+  // session's sampling and the index of the token drawn). Call between next_step and accept.
+  void sample_rows(const StepBatch& batch, std::vector<SampleRow>& out) const {
+    out.clear();
+    for (const LogitRow& r : batch.logit_rows) {
+      if (!r.samples) continue;
+      const Session* s = find(r.session);
+      out.push_back(s == nullptr ? SampleRow{} : with_counter(s->sample_row, s->output.size()));
+    }
+  }
+
+  // Closes the open batch with its sampled tokens: `sampled` holds one token per logit row with
+  // samples == true, in row order (`logprobs` the same count, or empty). Advances each session of
+  // the batch (prompt fed, tokens generated); a session that reaches max_new_tokens or samples a
+  // stop token becomes done. Refuses (bad_argument): no open batch, an accepted step not yet
+  // resolved, a count that does not match, or a token outside [0, vocab).
+  Status accept(std::span<const std::int32_t> sampled, std::span<const float> logprobs = {}) {
+    if (!batch_open() || !pending_.empty() || sampled.size() != samples_in_batch()) return Errc::bad_argument;
+    if (const Status s = check_sampled(sampled, logprobs); !s.ok()) return s;
+    (void)accept_pending();
+    return resolve(sampled, logprobs);
+  }
+
+  // Closes the open batch without its tokens: they stay on their way (placeholders) until
+  // resolve(). Refuses (bad_argument) when no batch is open.
+  Status accept_pending() {
+    if (!batch_open()) return Errc::bad_argument;
+    ++accepted_steps_;
+    PendingStep step;
+    std::int32_t k = 0;
+    for (const Entry& e : open_batch_) {
       Session& s = *locate(e.id);
       if (e.prompt) s.fed += e.length;
-      if (e.samples) s.output.push_back(sampled[k++]);
+      if (!e.samples) continue;
+      step.samples.push_back({s.id, static_cast<std::int32_t>(s.output.size())});
+      s.output.push_back(kPendingToken);
+      if (s.sampling.logprobs) s.logprobs.push_back(0.f);
+      s.source_step = accepted_steps_;
+      s.source_row = k++;
     }
-    end_flight();
+    pending_.push_back(std::move(step));
+    open_batch_.clear();
     return {};
   }
 
-  // Drops the batch in flight (the forward failed); every session stays where it was. Returns, for
+  // Fills in the tokens of the oldest accepted step still on its way: `sampled` (and `logprobs`,
+  // or empty) hold one entry per sampled row of that step, in row order. A session finished since
+  // is skipped. A stop token ends its session: the token sampled for it in a later accepted step
+  // is discarded and its sequence rewound over the stop token that step fed (by the table on a
+  // RewindableCache; returned by rewind_points() otherwise). Refuses (bad_argument): nothing on its
+  // way, a count that does not match, or a token outside [0, vocab).
+  Status resolve(std::span<const std::int32_t> sampled, std::span<const float> logprobs = {}) {
+    if (pending_.empty() || sampled.size() != pending_.front().samples.size()) return Errc::bad_argument;
+    if (const Status s = check_sampled(sampled, logprobs); !s.ok()) return s;
+    rewinds_.clear();
+    const PendingStep step = std::move(pending_.front());
+    pending_.erase(pending_.begin());
+    for (std::size_t k = 0; k < step.samples.size(); ++k) {
+      const auto it = locate(step.samples[k].session);
+      const auto index = static_cast<std::size_t>(step.samples[k].index);
+      if (it == sessions_.end() || index >= it->output.size()) continue;
+      Session& s = *it;
+      s.output[index] = sampled[k];
+      if (s.sampling.logprobs && !logprobs.empty()) s.logprobs[index] = logprobs[k];
+      s.resolved = static_cast<std::int32_t>(index) + 1;
+      if (!s.stopped && is_stop(s, sampled[k])) cut_after(s, index + 1);
+    }
+    return {};
+  }
+
+  // Drops the tokens of the oldest accepted step still on its way (they were lost: the device
+  // failed): each session of it loses that token and any later one, and is rewound to match, as
+  // after a stop token. Nothing when nothing is on its way.
+  void discard_pending() {
+    if (pending_.empty()) return;
+    rewinds_.clear();
+    const PendingStep step = std::move(pending_.front());
+    pending_.erase(pending_.begin());
+    for (const PendingSample& p : step.samples) {
+      const auto it = locate(p.session);
+      if (it != sessions_.end() && static_cast<std::size_t>(p.index) < it->output.size())
+        cut_after(*it, static_cast<std::size_t>(p.index));
+    }
+  }
+
+  // Drops the open batch (the forward failed); every session stays where it was. Returns, for
   // each session of the batch in row order, the position its cache sequence must be rewound to; when
   // the cache has rewind(seq, pos) (RewindableCache) abandon() has already done it, so the cache is
   // as before cache.declare_step(batch.seqs) (a no-op when the step was never declared). Returns
-  // nothing and changes nothing when no batch is in flight.
+  // nothing and changes nothing when no batch is open.
   std::vector<RewindPoint> abandon() {
     std::vector<RewindPoint> points;
-    if (!in_flight_) return points;
-    for (const Entry& e : inflight_) {
+    if (!batch_open()) return points;
+    for (const Entry& e : open_batch_) {
       const Session& s = *find(e.id);
       points.push_back({s.seq, cached(s)});
     }
     if constexpr (RewindableCache<Cache>)
       for (const RewindPoint& p : points) (void)cache_->rewind(p.seq, p.pos);
-    end_flight();
+    open_batch_.clear();
     return points;
-  }
-
-  // Whether `batch` is a step this table could run now. Refuses, in this order: no tokens
-  // (empty_step); more than max_write tokens (step_too_wide); seqs or a logit row outside the batch,
-  // or logit rows not strictly ascending (bad_argument); a sequence or logit-row session that is no
-  // live session's (unknown_session); a logit row naming another session than its token's
-  // (bad_argument); a session with two runs of tokens, or a run holding two logit rows, i.e. two
-  // slices (overlapping_input); a run not ending at a logit row, a run whose length is not the
-  // session's next input (1 token generating; feeding, the slice next_step plans for it where the
-  // run begins: first_slice(r, max_write - row of its first token, min_prefill_tokens); nothing
-  // done) or a samples flag that disagrees with the session (bad_argument). Token values, which
-  // sessions the batch leaves out, their order and the waiting rule of next_step are not checked.
-  // `width`: the width the batch was packed for (next_step(width); 0: max_write).
-  [[nodiscard]] Status check_batch(const StepBatch& batch, std::int32_t width = 0) const {
-    if (width < 0 || width > limits_.max_write) return Errc::bad_argument;
-    const std::int32_t room = width == 0 ? limits_.max_write : width;
-    if (batch.tokens.empty()) return Errc::empty_step;
-    if (batch.tokens.size() > static_cast<std::size_t>(room)) return Errc::step_too_wide;
-    if (batch.seqs.size() != batch.tokens.size()) return Errc::bad_argument;
-    if (const Status s = check_logit_rows(batch); !s.ok()) return s;
-    return check_runs(batch, room);
   }
 
   // ---- queries ----
@@ -310,16 +445,34 @@ class SessionTable {
     if (s == nullptr) return Errc::unknown_session;
     return state_of(*s);
   }
-  // Tokens generated so far; the span is valid until the next accept, finish or reap.
+  // Tokens generated so far and resolved; the span is valid until the next accept, resolve,
+  // finish or reap.
   [[nodiscard]] Result<std::span<const std::int32_t>> output(SessionId id) const {
     const Session* s = find(id);
     if (s == nullptr) return Errc::unknown_session;
-    return std::span<const std::int32_t>(s->output);
+    return std::span<const std::int32_t>(s->output).first(static_cast<std::size_t>(s->resolved));
+  }
+  // The log-probabilities of output(id), when its sampling asked for them (else empty).
+  [[nodiscard]] Result<std::span<const float>> logprobs(SessionId id) const {
+    const Session* s = find(id);
+    if (s == nullptr) return Errc::unknown_session;
+    if (!s->sampling.logprobs) return std::span<const float>();
+    return std::span<const float>(s->logprobs).first(static_cast<std::size_t>(s->resolved));
   }
   [[nodiscard]] Result<std::span<const std::int32_t>> prompt(SessionId id) const {
     const Session* s = find(id);
     if (s == nullptr) return Errc::unknown_session;
     return std::span<const std::int32_t>(s->prompt);
+  }
+  [[nodiscard]] Result<std::int32_t> max_new_tokens(SessionId id) const {
+    const Session* s = find(id);
+    if (s == nullptr) return Errc::unknown_session;
+    return s->max_new;
+  }
+  [[nodiscard]] Result<SamplingParams> sampling(SessionId id) const {
+    const Session* s = find(id);
+    if (s == nullptr) return Errc::unknown_session;
+    return s->sampling;
   }
   [[nodiscard]] Result<std::int32_t> sequence_of(SessionId id) const {
     const Session* s = find(id);
@@ -333,6 +486,12 @@ class SessionTable {
     if (s == nullptr) return Errc::unknown_session;
     return cached(*s);
   }
+  // The live session holding cache sequence `seq`, or 0.
+  [[nodiscard]] SessionId session_of_sequence(std::int32_t seq) const noexcept {
+    for (const Session& s : sessions_)
+      if (s.seq == seq) return s.id;
+    return 0;
+  }
   // Live session ids, oldest first.
   [[nodiscard]] std::vector<SessionId> sessions() const {
     std::vector<SessionId> ids;
@@ -343,7 +502,17 @@ class SessionTable {
   [[nodiscard]] std::int32_t feeding_count() const noexcept { return count(SessionState::feeding); }
   [[nodiscard]] std::int32_t generating_count() const noexcept { return count(SessionState::generating); }
   [[nodiscard]] std::int32_t done_count() const noexcept { return count(SessionState::done); }
-  [[nodiscard]] bool in_flight() const noexcept { return in_flight_; }
+  // A batch is open: between next_step and accept, accept_pending or abandon.
+  [[nodiscard]] bool in_flight() const noexcept { return batch_open(); }
+  // Accepted steps whose tokens are still on their way, and the sampled rows of the oldest one.
+  [[nodiscard]] std::int32_t pending_steps() const noexcept { return static_cast<std::int32_t>(pending_.size()); }
+  [[nodiscard]] std::int32_t pending_samples() const noexcept {
+    return pending_.empty() ? 0 : static_cast<std::int32_t>(pending_.front().samples.size());
+  }
+  // Tokens sampled after their session's stop token and discarded, since the table was made.
+  [[nodiscard]] std::int64_t discarded_tokens() const noexcept { return discarded_; }
+  // The rewinds of the last resolve or discard_pending (done already on a RewindableCache).
+  [[nodiscard]] const std::vector<RewindPoint>& rewind_points() const noexcept { return rewinds_; }
   [[nodiscard]] const SessionLimits& limits() const noexcept { return limits_; }
   // Cache sequences not live (held by this table or anyone else), when the cache (or its host())
   // reports max_seqs() and live_count().
@@ -357,10 +526,12 @@ class SessionTable {
     return q.max_seqs() - q.live_count();
   }
 
-  // Same sessions, states, outputs, id counter, limits and batch in flight; the cache is not compared.
+  // Same sessions, states, outputs, id counter, limits, open batch and tokens on their way; the
+  // cache is not compared.
   friend bool operator==(const SessionTable& a, const SessionTable& b) {
     return a.limits_ == b.limits_ && a.next_id_ == b.next_id_ && a.sessions_ == b.sessions_ &&
-           a.in_flight_ == b.in_flight_ && a.inflight_ == b.inflight_;
+           a.open_batch_ == b.open_batch_ && a.pending_ == b.pending_ && a.accepted_steps_ == b.accepted_steps_ &&
+           a.discarded_ == b.discarded_;
   }
 
  private:
@@ -369,12 +540,19 @@ class SessionTable {
     std::int32_t seq = 0;
     std::vector<std::int32_t> prompt;
     std::int32_t max_new = 0;
-    std::int32_t shared = 0;       // prompt tokens inherited from a clone source
-    std::int32_t fed = 0;          // prompt tokens in the cache, shared ones included
-    std::vector<std::int32_t> output;
+    std::int32_t shared = 0;  // prompt tokens inherited from a clone source
+    std::int32_t fed = 0;     // prompt tokens in the cache, shared ones included
+    std::vector<std::int32_t> output;  // generated; [resolved, size) are placeholders on their way
+    std::vector<float> logprobs;       // parallel to output when sampling.logprobs
+    std::int32_t resolved = 0;
+    bool stopped = false;              // output.back() is a stop token
+    std::uint64_t source_step = 0;     // the accepted step that sampled output.back()
+    std::int32_t source_row = 0;       // ... and its sampled row there
+    SamplingParams sampling;
+    SampleRow sample_row;              // make_sample_row(sampling, 0)
     friend bool operator==(const Session&, const Session&) = default;
   };
-  // One session's share of the batch in flight.
+  // One session's share of the open batch.
   struct Entry {
     SessionId id = 0;
     std::int32_t length = 0;
@@ -382,17 +560,45 @@ class SessionTable {
     bool samples = false;
     friend bool operator==(const Entry&, const Entry&) = default;
   };
+  // A token on its way: output[index] of a session.
+  struct PendingSample {
+    SessionId session = 0;
+    std::int32_t index = 0;
+    friend bool operator==(const PendingSample&, const PendingSample&) = default;
+  };
+  // An accepted step whose tokens are on their way, one entry per sampled row in row order.
+  struct PendingStep {
+    std::vector<PendingSample> samples;
+    friend bool operator==(const PendingStep&, const PendingStep&) = default;
+  };
 
+  [[nodiscard]] bool batch_open() const noexcept { return !open_batch_.empty(); }
+  [[nodiscard]] bool in_vocab(std::int32_t t) const noexcept { return t >= 0 && (limits_.vocab == 0 || t < limits_.vocab); }
   [[nodiscard]] static std::int32_t prompt_size(const Session& s) noexcept {
     return static_cast<std::int32_t>(s.prompt.size());
   }
+  [[nodiscard]] static std::int32_t generated(const Session& s) noexcept {
+    return static_cast<std::int32_t>(s.output.size());
+  }
+  [[nodiscard]] static bool on_its_way(const Session& s) noexcept { return s.resolved < generated(s); }
+  // Fed completely, no stop token, fewer than max_new tokens generated or on their way.
+  [[nodiscard]] static bool decodes(const Session& s) noexcept {
+    return s.fed >= prompt_size(s) && !s.stopped && generated(s) < s.max_new;
+  }
   [[nodiscard]] static SessionState state_of(const Session& s) noexcept {
     if (s.fed < prompt_size(s)) return SessionState::feeding;
-    return static_cast<std::int32_t>(s.output.size()) < s.max_new ? SessionState::generating : SessionState::done;
+    return decodes(s) || on_its_way(s) ? SessionState::generating : SessionState::done;
   }
   // The prompt fed so far, then the generated tokens but the last (never fed).
   [[nodiscard]] static std::int32_t cached(const Session& s) noexcept {
-    return s.fed + std::max(0, static_cast<std::int32_t>(s.output.size()) - 1);
+    return s.fed + std::max(0, generated(s) - 1);
+  }
+  [[nodiscard]] static bool is_stop(const Session& s, std::int32_t token) noexcept {
+    return std::find(s.sampling.stop_tokens.begin(), s.sampling.stop_tokens.end(), token) != s.sampling.stop_tokens.end();
+  }
+  [[nodiscard]] static SampleRow with_counter(SampleRow r, std::size_t counter) noexcept {
+    r.counter = static_cast<std::uint32_t>(counter);
+    return r;
   }
   // Length of a feeding session's next prompt slice when `room` (>= 1) tokens are left in the step.
   [[nodiscard]] std::int32_t slice_length(const Session& s, std::int32_t room) const noexcept {
@@ -408,37 +614,54 @@ class SessionTable {
     const std::int32_t min = limits_.min_prefill_tokens;
     return room < min && min <= limits_.max_write && prompt_size(s) - s.fed >= min;
   }
-  // Tokens the session takes in its next step when `room` (>= 1) tokens are left (0 when done).
-  [[nodiscard]] std::int32_t next_input(const Session& s, std::int32_t room) const noexcept {
-    switch (state_of(s)) {
-      case SessionState::feeding: return slice_length(s, room);
-      case SessionState::generating: return 1;
-      case SessionState::done: return 0;
-    }
-    return 0;
-  }
-  // Whether the logits of the session's next input, `length` tokens, give a generated token.
-  [[nodiscard]] static bool next_samples(const Session& s, std::int32_t length) noexcept {
-    if (state_of(s) != SessionState::feeding) return state_of(s) == SessionState::generating;
-    return slice_samples(s, length);
-  }
 
-  [[nodiscard]] bool over_budget(std::size_t prompt_tokens, std::int32_t max_new_tokens) const noexcept {
+  // over_budget: past max_tokens_per_session, or more tokens than one sequence of the cache holds.
+  [[nodiscard]] SessionStatus check_budget(std::size_t prompt_tokens, std::int32_t max_new_tokens) const {
     const auto budget = static_cast<std::size_t>(limits_.max_tokens_per_session);
-    return prompt_tokens > budget || static_cast<std::size_t>(max_new_tokens) > budget - prompt_tokens;
+    if (prompt_tokens > budget || static_cast<std::size_t>(max_new_tokens) > budget - prompt_tokens)
+      return Errc::over_budget;
+    const detail::SequenceRoom room = detail::sequence_room(*cache_);
+    const auto held = static_cast<std::int64_t>(prompt_tokens) + std::max(0, max_new_tokens - 1);
+    if (held > room.tokens) return SessionStatus(Errc::over_budget, room.detail);
+    return {};
   }
   // The table's reason for a refused cache verb: no_free_sequence becomes too_many_sessions.
   [[nodiscard]] static Errc cache_refusal(Status s) noexcept {
     return s == Errc::no_free_sequence ? Errc::too_many_sessions : s.code();
   }
+  [[nodiscard]] Status check_sampled(std::span<const std::int32_t> sampled, std::span<const float> logprobs) const {
+    if (!logprobs.empty() && logprobs.size() != sampled.size()) return Errc::bad_argument;
+    for (const std::int32_t t : sampled)
+      if (!in_vocab(t)) return Errc::bad_argument;
+    return {};
+  }
+
+  // Keeps output[0, keep) of s: drops the later tokens (resolved or on their way), marks s stopped
+  // when its last kept token is a stop token, and rewinds its sequence over the dropped tokens it
+  // fed.
+  void cut_after(Session& s, std::size_t keep) {
+    const std::int32_t before = cached(s);
+    discarded_ += static_cast<std::int64_t>(s.output.size() - keep);
+    s.output.resize(keep);
+    if (s.sampling.logprobs) s.logprobs.resize(keep);
+    s.resolved = std::min(s.resolved, static_cast<std::int32_t>(keep));
+    s.stopped = keep > 0 && static_cast<std::int32_t>(keep) == s.resolved && is_stop(s, s.output.back());
+    const std::int32_t after = cached(s);
+    if (after == before) return;
+    rewinds_.push_back({s.seq, after});
+    if constexpr (RewindableCache<Cache>) (void)cache_->rewind(s.seq, after);
+  }
 
   // A session without id or sequence yet, feeding the prompt after the shared prefix.
-  [[nodiscard]] static Session make_session(std::vector<std::int32_t> prompt, std::int32_t max_new, std::int32_t shared) {
+  [[nodiscard]] static Session make_session(std::vector<std::int32_t> prompt, std::int32_t max_new, std::int32_t shared,
+                                            SamplingParams sampling) {
     Session s;
     s.prompt = std::move(prompt);
     s.max_new = max_new;
     s.shared = shared;
     s.fed = shared;
+    s.sample_row = make_sample_row(sampling, 0);
+    s.sampling = std::move(sampling);
     return s;
   }
   SessionId commit(Session s, std::int32_t seq) {
@@ -455,12 +678,8 @@ class SessionTable {
     batch.logit_rows.push_back({batch.size() - 1, s.id, samples});
     entries.push_back({s.id, static_cast<std::int32_t>(tokens.size()), prompt, samples});
   }
-  [[nodiscard]] std::size_t samples_in_flight() const noexcept {
-    return static_cast<std::size_t>(std::count_if(inflight_.begin(), inflight_.end(), [](const Entry& e) { return e.samples; }));
-  }
-  void end_flight() noexcept {
-    inflight_.clear();
-    in_flight_ = false;
+  [[nodiscard]] std::size_t samples_in_batch() const noexcept {
+    return static_cast<std::size_t>(std::count_if(open_batch_.begin(), open_batch_.end(), [](const Entry& e) { return e.samples; }));
   }
 
   // Sessions are kept in id order (ids only grow), so lookups are binary searches.
@@ -474,73 +693,20 @@ class SessionTable {
                                      [](const Session& s, SessionId v) { return s.id < v; });
     return it != sessions_.end() && it->id == id ? &*it : nullptr;
   }
-  // Index in sessions_ of the live session holding cache sequence seq, or -1.
-  [[nodiscard]] std::ptrdiff_t index_of_seq(std::int32_t seq) const noexcept {
-    for (std::size_t i = 0; i < sessions_.size(); ++i)
-      if (sessions_[i].seq == seq) return static_cast<std::ptrdiff_t>(i);
-    return -1;
-  }
   [[nodiscard]] std::int32_t count(SessionState st) const noexcept {
     return static_cast<std::int32_t>(
         std::count_if(sessions_.begin(), sessions_.end(), [st](const Session& s) { return state_of(s) == st; }));
   }
 
-  // check_batch, part 1: logit rows in range, ascending, and naming the session of their token.
-  [[nodiscard]] Status check_logit_rows(const StepBatch& batch) const {
-    std::int32_t prev = -1;
-    for (const LogitRow& r : batch.logit_rows) {
-      if (r.row <= prev || r.row >= batch.size()) return Errc::bad_argument;
-      prev = r.row;
-    }
-    for (const std::int32_t seq : batch.seqs)
-      if (index_of_seq(seq) < 0) return Errc::unknown_session;
-    for (const LogitRow& r : batch.logit_rows) {
-      const Session* s = find(r.session);
-      if (s == nullptr) return Errc::unknown_session;
-      if (s->seq != batch.seqs[static_cast<std::size_t>(r.row)]) return Errc::bad_argument;
-    }
-    return {};
-  }
-
-  // check_batch, part 2: each session's tokens are one run holding at most one logit row
-  // (overlapping_input otherwise); then each run ends at a logit row and has the length and samples
-  // flag of the session's next input with the room left where the run begins (bad_argument
-  // otherwise). Preconditions: check_logit_rows passed and the batch holds <= room tokens.
-  [[nodiscard]] Status check_runs(const StepBatch& batch, std::int32_t room) const {
-    std::vector<const LogitRow*> row_at(batch.tokens.size(), nullptr);
-    for (const LogitRow& r : batch.logit_rows) row_at[static_cast<std::size_t>(r.row)] = &r;
-    std::vector<char> seen(sessions_.size(), 0);
-    for (std::size_t begin = 0, end = 0; begin < batch.seqs.size(); begin = end) {
-      end = run_end(batch, begin);
-      const auto index = static_cast<std::size_t>(index_of_seq(batch.seqs[begin]));
-      if (seen[index]) return Errc::overlapping_input;
-      seen[index] = 1;
-      for (std::size_t t = begin; t + 1 < end; ++t)
-        if (row_at[t] != nullptr) return Errc::overlapping_input;
-    }
-    for (std::size_t begin = 0, end = 0; begin < batch.seqs.size(); begin = end) {
-      end = run_end(batch, begin);
-      const Session& s = sessions_[static_cast<std::size_t>(index_of_seq(batch.seqs[begin]))];
-      const LogitRow* last = row_at[end - 1];
-      const std::int32_t length = next_input(s, room - static_cast<std::int32_t>(begin));
-      if (last == nullptr || static_cast<std::int32_t>(end - begin) != length || last->samples != next_samples(s, length))
-        return Errc::bad_argument;
-    }
-    return {};
-  }
-  // One past the last token of the run of equal sequences starting at `begin`.
-  [[nodiscard]] static std::size_t run_end(const StepBatch& batch, std::size_t begin) noexcept {
-    std::size_t end = begin;
-    while (end < batch.seqs.size() && batch.seqs[end] == batch.seqs[begin]) ++end;
-    return end;
-  }
-
   Cache* cache_;
   SessionLimits limits_;
   SessionId next_id_ = 1;
-  std::vector<Session> sessions_;  // live sessions, ascending id (= oldest first)
-  std::vector<Entry> inflight_;    // the batch in flight, one entry per session in row order
-  bool in_flight_ = false;
+  std::vector<Session> sessions_;       // live sessions, ascending id (= oldest first)
+  std::vector<Entry> open_batch_;       // the open batch: one entry per session in row order; empty when none
+  std::vector<PendingStep> pending_;    // accepted steps whose tokens are on their way, oldest first
+  std::uint64_t accepted_steps_ = 0;    // steps accepted so far (serial of the last one)
+  std::int64_t discarded_ = 0;
+  std::vector<RewindPoint> rewinds_;    // of the last resolve or discard_pending
 };
 
 }  // namespace cellkv::batching

@@ -15,14 +15,12 @@
 //   (fewer than min_prefill_tokens tokens, or a single token) runs as one-token decode slices.
 //   So max_step_tokens == 1 makes every token a decode slice, and max_step_tokens <
 //   min_prefill_tokens makes every token a decode slice too.
-// Invalid arguments give an empty plan from plan_slices and Errc::bad_argument from
-// plan_slices_checked; total == 0 gives an empty plan from both.
+// Invalid arguments (valid_slice_arguments false) and total == 0 give an empty plan.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-#include "cellkv/status.hpp"
 
 namespace cellkv::batching {
 
@@ -78,13 +76,6 @@ inline void append_run(std::vector<Slice>& out, std::int32_t begin, std::int32_t
   const std::int32_t length = total < max_step_tokens ? total : max_step_tokens;
   if (length > 1 && length >= min_prefill_tokens) return {0, length, Method::prefill};
   return {0, 1, Method::decode};
-}
-
-// plan_slices, refusing invalid arguments with Errc::bad_argument.
-[[nodiscard]] inline Result<std::vector<Slice>> plan_slices_checked(std::int32_t total, std::int32_t max_step_tokens,
-                                                                    std::int32_t min_prefill_tokens) {
-  if (!valid_slice_arguments(total, max_step_tokens, min_prefill_tokens)) return Errc::bad_argument;
-  return plan_slices(total, max_step_tokens, min_prefill_tokens);
 }
 
 }  // namespace cellkv::batching

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The serving run on a fresh GPU machine, in one go (about 4 minutes on an H200):
+#   1. the PyTorch peer (serve_peer.py) starts at once in the background: it makes the weights,
+#      compiles and warms its decode step for every batch size, then waits;
+#   2. meanwhile the needed targets build: the GPU serving tests, the demo, cellkv-bench-serve;
+#   3. the GPU serving tests (sampler, model against the host model, executor) and the GPU demo;
+#   4. once the peer is warm (or after a deadline), cellkv-bench-serve alone on the GPU, which also
+#      writes its weights for the peer's check;
+#   5. the peer's timed steps alone on the GPU;
+#   6. one table: cellkv against the peer, the step breakdown, the floor, the targets.
+# Logs and results-serve.jsonl go to OUT_DIR (7 files); the weights file goes to $TMPDIR.
+#
+#   benchmarks/run_serve_device.sh BUILD_DIR OUT_DIR      (after: meson setup BUILD_DIR -Dgpu_arch=90)
+set -uo pipefail
+build="${1:?usage: run_serve_device.sh BUILD_DIR OUT_DIR}"
+out="${2:?usage: run_serve_device.sh BUILD_DIR OUT_DIR}"
+here="$(cd "$(dirname "$0")" && pwd)"
+mkdir -p "$out"
+tmp="$(mktemp -d)"
+weights="${TMPDIR:-/tmp}/cellkv-serve-weights.bin"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+summary="$out/summary.md"
+note() { printf '[%4ds] %s\n' "$SECONDS" "$*" | tee -a "$summary"; }
+: > "$summary"
+note "$(nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>&1 | head -1)"
+
+# 1. the peer, in the background
+rm -f "$weights"
+python3 "$here/serve_peer.py" --sessions 1,16,64,256 --out "$tmp/peer.jsonl" --ready "$tmp/peer.ready" \
+  --go "$tmp/peer.go" --wait 240 --check-weights "$weights" > "$out/peer.log" 2>&1 &
+peer=$!
+
+# 2. the build
+jobs=$(nproc 2>/dev/null || echo 8)
+[ "$jobs" -gt 4 ] && jobs=$((jobs - 2))
+timeout 180 ninja -C "$build" -j"$jobs" tests/cuda/cellkv-gpu-serving-tests examples/cellkv-demo \
+  benchmarks/cellkv-bench-serve > "$out/build.log" 2>&1
+note "build: rc=$? ($(grep -c 'Compiling\|Linking' "$out/build.log") steps)"
+
+# 3. tests and demo
+timeout 120 "$build/tests/cuda/cellkv-gpu-serving-tests" > "$out/tests.log" 2>&1
+note "gpu serving tests: rc=$? $(grep -E 'test cases:' "$out/tests.log" | tail -1)"
+timeout 60 "$build/examples/cellkv-demo" > "$out/demo.log" 2>&1
+note "gpu demo: rc=$? $(grep -E '^OK|^FAILED|tokens/s$' "$out/demo.log" | tail -2 | tr '\n' ' ')"
+
+# 4. cellkv's benchmark once the peer is warm (it waits at most until 180 s into the run)
+while [ ! -e "$tmp/peer.ready" ] && kill -0 "$peer" 2>/dev/null && [ "$SECONDS" -lt 180 ]; do sleep 1; done
+note "peer warm: $([ -e "$tmp/peer.ready" ] && echo yes || echo no)"
+timeout 90 "$build/benchmarks/cellkv-bench-serve" --out "$tmp/cellkv.jsonl" --weights-out "$weights" \
+  > "$out/bench.log" 2>&1
+note "cellkv-bench-serve: rc=$?"
+
+# 5. the peer's timed steps
+touch "$tmp/peer.go"
+( sleep 90; kill "$peer" 2>/dev/null ) & guard=$!
+wait "$peer"
+note "peer: rc=$? $(grep -E 'weights against' "$out/peer.log" | tail -1)"
+kill "$guard" 2>/dev/null
+
+# 6. the table
+cat "$tmp/cellkv.jsonl" "$tmp/peer.jsonl" > "$out/results-serve.jsonl" 2>/dev/null
+python3 "$here/serve_peer.py" --report "$out/results-serve.jsonl" | tee -a "$summary"
+note "done"
+rm -rf "$tmp" "$weights"
