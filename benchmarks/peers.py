@@ -55,7 +55,7 @@ Output: one JSON object per line (stdout, or --out FILE):
   A peer that fails writes ms = metric = null and an "error" field, and 'n/a' in the table that
   is printed to stderr at the end.
 
-  python3 benchmarks/peers.py [--quick] [--only decode|prefill] [--out FILE]
+  python3 benchmarks/peers.py [--quick] [--only decode|prefill] [--impls a,b] [--out FILE]
 """
 
 import argparse
@@ -477,6 +477,8 @@ def run_case(results, case, opts):
         peers += [("flex_block_mask", lambda: run_flex(
             results, case, sets, ref, opts, "flex_block_mask", "contiguous"))]
     for impl, run in peers:
+        if opts.impls and impl not in opts.impls:
+            continue
         try:
             run()
         except Exception as e:  # noqa: BLE001  (e.g. OOM while building a pool or a mask)
@@ -522,6 +524,8 @@ def main():
                     help="smoke test: fewer iterations, decode 16x4k/256x1k and prefill 8x1k only")
     ap.add_argument("--only", choices=["decode", "prefill"], help="run one kind of work only")
     ap.add_argument("--out", help="write the JSON lines here instead of stdout")
+    ap.add_argument("--impls", type=lambda s: s.split(","), default=None,
+                    help="comma-separated peers to run (default: all)")
     opts = ap.parse_args()
 
     if not torch.cuda.is_available():

@@ -8,6 +8,7 @@
 #include "cellkv/layout.hpp"
 #include "cellkv/placement.hpp"
 #include "cellkv/position_table.hpp"
+#include "cellkv/position_table_view.hpp"
 #include "cellkv/pool_view.hpp"
 #include "cellkv/reference.hpp"
 #include "cellkv/seq_set.hpp"

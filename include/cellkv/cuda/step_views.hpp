@@ -18,7 +18,7 @@
 
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/host_device.hpp"
-#include "cellkv/position_table.hpp"
+#include "cellkv/position_table_view.hpp"
 #include "cellkv/step_plan.hpp"
 
 namespace cellkv::gpu {

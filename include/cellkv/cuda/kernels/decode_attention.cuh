@@ -29,7 +29,7 @@
 #include "cellkv/cuda/kernels/mma.cuh"
 #include "cellkv/cuda/numeric.cuh"
 #include "cellkv/pool_view.hpp"
-#include "cellkv/position_table.hpp"
+#include "cellkv/position_table_view.hpp"
 #include "cellkv/step_plan.hpp"
 #include "cellkv/visibility.hpp"
 

@@ -8,7 +8,7 @@
 #include <cstdint>
 
 #include "cellkv/cuda/step_views.hpp"
-#include "cellkv/position_table.hpp"
+#include "cellkv/position_table_view.hpp"
 #include "cellkv/visibility.hpp"
 
 namespace cellkv::gpu::kernels {

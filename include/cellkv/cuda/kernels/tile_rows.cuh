@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "cellkv/position_table.hpp"
+#include "cellkv/position_table_view.hpp"
 
 namespace cellkv::gpu::kernels {
 
