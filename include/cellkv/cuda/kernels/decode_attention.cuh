@@ -232,14 +232,15 @@ struct StageRing {
   __device__ __forceinline__ void issue(int s, const PoolView<const T>& pool, int hk, const int (&ids)[G::kIds],
                                         int lane) const {
     const int chunk = lane % G::kChunks;
+    const std::uint64_t policy = evict_first_policy();  // K/V is read once per step
 #pragma unroll
     for (int i = 0; i < G::kLoads; ++i) {
       const int r = lane / G::kChunks + i * G::kRowStep;
       const int id = __shfl_sync(0xffffffffu, ids[i / G::kChunks], r % 32);
       const std::int64_t off = id >= 0 ? pool.offset(id, hk) + chunk * 8 : 0;
       const std::uint32_t dst = SwizzledTile<D>::offset(r, chunk);
-      cp_async_16(k(s) + dst, pool.k + off, id >= 0);
-      cp_async_16(v(s) + dst, pool.v + off, id >= 0);
+      cp_async_16(k(s) + dst, pool.k + off, id >= 0, policy);
+      cp_async_16(v(s) + dst, pool.v + off, id >= 0, policy);
     }
     cp_async_commit();
   }

@@ -27,6 +27,19 @@ __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, 
   const int bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
+// An L2 cache policy that evicts first what it tags: K/V rows streamed once per step, so the small
+// data read again (position tables, queries, partial results) stays in L2.
+__device__ __forceinline__ std::uint64_t evict_first_policy() {
+  std::uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+// cp_async_16 with an L2 cache policy (evict_first_policy()).
+__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool valid, std::uint64_t policy) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src), "r"(bytes),
+               "l"(policy));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int Pending>
 __device__ __forceinline__ void cp_async_wait() {
