@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the GPU checks on a machine with a CUDA device: the GPU suite, the same suite under
-# compute-sanitizer memcheck and racecheck, and the GPU example. Logs go to $LOG_DIR (default:
+# Runs the GPU checks on a machine with a CUDA device: the GPU suite, the serving suite, the GPU
+# suite under compute-sanitizer memcheck and racecheck, and the GPU example. Logs go to $LOG_DIR (default:
 # ./gpu-logs); prints one summary line per check. Usage: run_on_device.sh [BUILD_DIR]
 set -uo pipefail
 build="${1:-build}"
@@ -18,6 +18,7 @@ check() {  # name, command...
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$logs/gpu.txt" 2>&1
 check gpu-suite "$suite"
+[ -x "$build/tests/cuda/cellkv-gpu-serving-tests" ] && check serving-suite "$build/tests/cuda/cellkv-gpu-serving-tests"
 limit="${SANITIZER_TIMEOUT:-900}"
 check memcheck timeout "$limit" compute-sanitizer --tool memcheck --leak-check full --error-exitcode 1 "$suite"
 check racecheck timeout "$limit" compute-sanitizer --tool racecheck --racecheck-report all --error-exitcode 1 "$suite"
