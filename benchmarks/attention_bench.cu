@@ -1,4 +1,4 @@
-// attention_bench: cellkv's attention on the shapes of DESIGN.md section 7 (bf16, H_q 32, H_kv 8,
+// attention_bench: cellkv's attention on the reference shapes (bf16, H_q 32, H_kv 8,
 // D 128), one layer, timed with CUDA events: warm-up, then the median over samples of many
 // back-to-back calls. Prints JSON lines (benchmarks/report.py merges them with peers.py's) and a
 // table on stderr. Not a test.

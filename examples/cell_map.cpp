@@ -1,6 +1,6 @@
 // cell_map: three sequences and a fork walked through a few steps of the cell layout, with the cell
 // map and every window's mask rows drawn in the terminal. Checks each mask row against the
-// visibility rule (DESIGN.md section 3) computed here from the cells' metadata; exits 1 on a mismatch.
+// visibility rule (docs/design.md section 3) computed here from the cells' metadata; exits 1 on a mismatch.
 //
 //   build/examples/cellkv-cell-map
 #include <cellkv/cellkv.hpp>

@@ -15,11 +15,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <deque>
 #include <span>
 #include <vector>
 
 #include "config.hpp"
+#include "sampled_steps.hpp"
 
 namespace llama {
 
@@ -77,19 +77,13 @@ class HostLlama {
   // Runs the step and samples its logit rows. Refuses (bad_argument, nothing changed) a token id
   // outside [0, vocab) or a deferred token with no previous forward to read it from.
   cellkv::Status forward(const cellkv::batching::ForwardStep& step) {
-    tokens_.assign(step.tokens.begin(), step.tokens.end());
-    for (const cellkv::batching::DeferredToken& d : step.deferred) {
-      if (d.row < 0 || static_cast<std::size_t>(d.row) >= tokens_.size() || d.source < 0 ||
-          static_cast<std::size_t>(d.source) >= last_sampled_.size())
-        return cellkv::Errc::bad_argument;
-      tokens_[static_cast<std::size_t>(d.row)] = last_sampled_[static_cast<std::size_t>(d.source)];
-    }
+    if (const cellkv::Status s = sampled_.resolve(step, tokens_); !s.ok()) return s;
     for (const std::int32_t t : tokens_)
       if (t < 0 || t >= c_.vocab) return cellkv::Errc::bad_argument;
     if (step.sampling.size() != step.logit_rows.size()) return cellkv::Errc::bad_argument;
     logits_.resize(step.logit_rows.size() * static_cast<std::size_t>(c_.vocab));
     if (const cellkv::Status s = run(step, logits_); !s.ok()) return s;
-    Retired r;
+    SampledSteps::Step r;
     for (std::size_t i = 0; i < step.logit_rows.size(); ++i) {
       const auto row = std::span<const float>(logits_).subspan(i * static_cast<std::size_t>(c_.vocab),
                                                                static_cast<std::size_t>(c_.vocab));
@@ -97,29 +91,18 @@ class HostLlama {
       r.tokens.push_back(got.token);
       r.logprobs.push_back(got.logprob);
     }
-    last_sampled_ = r.tokens;
-    retired_.push_back(std::move(r));
+    sampled_.push(std::move(r));
     return {};
   }
 
   cellkv::Status retire(std::span<std::int32_t> tokens, std::span<float> logprobs) {
-    if (retired_.empty() || tokens.size() != retired_.front().tokens.size() || logprobs.size() != tokens.size())
-      return cellkv::Errc::bad_argument;
-    std::copy(retired_.front().tokens.begin(), retired_.front().tokens.end(), tokens.begin());
-    std::copy(retired_.front().logprobs.begin(), retired_.front().logprobs.end(), logprobs.begin());
-    retired_.pop_front();
-    return {};
+    return sampled_.retire(tokens, logprobs);
   }
 
   // The logits of the sampled rows of the last forward, row by row (tests).
   [[nodiscard]] std::span<const float> last_logits() const { return logits_; }
 
  private:
-  struct Retired {
-    std::vector<std::int32_t> tokens;
-    std::vector<float> logprobs;
-  };
-
   // The forward over tokens_ (ids checked) at step.positions; logits of step.logit_rows.
   cellkv::Status run(const cellkv::batching::ForwardStep& step, std::span<float> logits) {
     pool_.sync(cache_);  // fork copies of the sequence layout
@@ -165,9 +148,9 @@ class HostLlama {
   const Weights& w_;
   Cache& cache_;
   cellkv::HostPool<float> pool_;
-  std::vector<std::int32_t> tokens_, last_sampled_;
+  std::vector<std::int32_t> tokens_;
   std::vector<float> logits_;
-  std::deque<Retired> retired_;
+  SampledSteps sampled_;
 };
 
 }  // namespace llama

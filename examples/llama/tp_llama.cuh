@@ -17,7 +17,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -28,6 +27,7 @@
 #include "config.hpp"
 #include "gpu_rank.cuh"
 #include "rank_threads.hpp"
+#include "sampled_steps.hpp"
 #include "shard_weights.hpp"
 
 namespace llama {
@@ -75,13 +75,7 @@ class TpLlama {
   // One step on every rank at once; rank 0 samples. Refuses (bad_argument) a deferred id the
   // previous step did not sample.
   cellkv::Status forward(const cellkv::batching::ForwardStep& step) {
-    tokens_.assign(step.tokens.begin(), step.tokens.end());
-    for (const cellkv::batching::DeferredToken& d : step.deferred) {
-      if (d.row < 0 || static_cast<std::size_t>(d.row) >= tokens_.size() || d.source < 0 ||
-          static_cast<std::size_t>(d.source) >= last_sampled_.size())
-        return cellkv::Errc::bad_argument;
-      tokens_[static_cast<std::size_t>(d.row)] = last_sampled_[static_cast<std::size_t>(d.source)];
-    }
+    if (const cellkv::Status s = sampled_.resolve(step, tokens_); !s.ok()) return s;
     cellkv::batching::ForwardStep resolved = step;
     resolved.tokens = tokens_;
     resolved.deferred = {};
@@ -93,18 +87,12 @@ class TpLlama {
     const std::int32_t width = ranks_.front()->width_for(static_cast<std::int32_t>(step.tokens.size()));
     const cellkv::Status s = threads_.run([&](std::int32_t g) { return rank_step(g, resolved, width); });
     if (!s.ok()) return s;
-    last_sampled_ = scratch_.front().tokens;
-    retired_.push_back(scratch_.front());
+    sampled_.push(scratch_.front());
     return {};
   }
 
   cellkv::Status retire(std::span<std::int32_t> tokens, std::span<float> logprobs) {
-    if (retired_.empty() || tokens.size() != retired_.front().tokens.size() || logprobs.size() != tokens.size())
-      return cellkv::Errc::bad_argument;
-    std::copy(retired_.front().tokens.begin(), retired_.front().tokens.end(), tokens.begin());
-    std::copy(retired_.front().logprobs.begin(), retired_.front().logprobs.end(), logprobs.begin());
-    retired_.pop_front();
-    return {};
+    return sampled_.retire(tokens, logprobs);
   }
 
  private:
@@ -117,7 +105,7 @@ class TpLlama {
   // Rank g's part of a step, on its own thread and device, waited for.
   cellkv::Status rank_step(std::int32_t g, const cellkv::batching::ForwardStep& step, std::int32_t width) {
     GpuRank<Shard>& rank = *ranks_[static_cast<std::size_t>(g)];
-    Retired& out = scratch_[static_cast<std::size_t>(g)];
+    SampledSteps::Step& out = scratch_[static_cast<std::size_t>(g)];
     if (const cellkv::Status s = rank.step(
             step, width, [&](::cuda::stream_ref st) { return cache_.upload_shard(g, st, width); },
             [&](::cuda::stream_ref st) { return cache_.shard(g).commit(st); });
@@ -140,13 +128,9 @@ class TpLlama {
   RankThreads threads_;
   std::vector<std::unique_ptr<GpuRank<Shard>>> ranks_;
   std::vector<std::unique_ptr<cellkv::gpu::Stream>> streams_;
-  struct Retired {
-    std::vector<std::int32_t> tokens;
-    std::vector<float> logprobs;
-  };
-  std::vector<Retired> scratch_ = std::vector<Retired>(static_cast<std::size_t>(ranks_.size()));  // per rank
-  std::deque<Retired> retired_;
-  std::vector<std::int32_t> tokens_, last_sampled_;
+  std::vector<SampledSteps::Step> scratch_ = std::vector<SampledSteps::Step>(static_cast<std::size_t>(ranks_.size()));  // per rank
+  SampledSteps sampled_;
+  std::vector<std::int32_t> tokens_;
 };
 
 }  // namespace llama

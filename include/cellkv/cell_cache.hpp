@@ -1,7 +1,7 @@
 // cellkv/cell_cache.hpp - the host cache: step planning and verbs for both layouts.
 //
 //   CellCache<layout::cell, W, P, MaxSeqs>      rows are cells with (pos, owners) metadata;
-//                                               placement P picks free cells (DESIGN.md section 2)
+//                                               placement P picks free cells (docs/design.md section 2)
 //   CellCache<layout::sequence, W, P, MaxSeqs>  sequence s owns rows [s*max_len, (s+1)*max_len)
 //
 // Both serve the same step protocol and verbs (detail/cache_common.hpp) and the same visibility

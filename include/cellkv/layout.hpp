@@ -1,4 +1,4 @@
-// cellkv/layout.hpp - where a token's K/V row lives, chosen at compile time (DESIGN.md section 2).
+// cellkv/layout.hpp - where a token's K/V row lives, chosen at compile time (docs/design.md section 2).
 #pragma once
 
 #include <concepts>

@@ -1,6 +1,6 @@
 // cellkv/placement.hpp - which free cell a token of the cell layout claims.
 //
-// Placement never changes visibility (only positions and owners decide it, DESIGN.md section 3);
+// Placement never changes visibility (only positions and owners decide it, docs/design.md section 3);
 // it decides which KV tiles a sequence touches, and so how much a tile-skipping kernel can skip.
 #pragma once
 
@@ -11,7 +11,7 @@
 namespace cellkv {
 namespace placement {
 
-// The seed's policy: each token takes the lowest free cell, so a step's cells are ascending.
+// The classic policy: each token takes the lowest free cell, so a step's cells are ascending.
 struct lowest_free {};
 
 // A sequence appends into its own aligned block of `Block` cells (cells [b*Block, (b+1)*Block)).

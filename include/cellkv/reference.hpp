@@ -1,4 +1,4 @@
-// cellkv/reference.hpp - the host reference of write, attend and update_and_attend (DESIGN.md
+// cellkv/reference.hpp - the host reference of write, attend and update_and_attend (docs/design.md
 // section 6). Slow and plain on purpose: every kernel is checked against it.
 //
 // Shapes: q and out [T, H_q, D]; k and v [T, H_kv, D]; pools [rows, H_kv, D] (PoolView). Query

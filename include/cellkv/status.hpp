@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <string_view>
 #include <utility>
 
@@ -13,7 +14,7 @@ namespace cellkv {
 // Why a call was refused. Values are stable; `describe` names each one for a human.
 enum class Errc : std::uint8_t {
   ok = 0,
-  // step admission (DESIGN.md section 4)
+  // step admission (docs/design.md section 4)
   empty_step,         // T == 0
   step_too_wide,      // T > max_write
   bad_sequence_id,    // id outside [0, max_seqs)
@@ -87,7 +88,21 @@ class [[nodiscard]] Status {
   Errc code_ = Errc::ok;
 };
 
-// A value or the reason there is none. `value()` on a refused result is a precondition violation.
+// What value() throws on a refused result (as std::expected::value throws bad_expected_access).
+class BadResultAccess : public std::exception {
+ public:
+  explicit BadResultAccess(Errc code) noexcept : code_(code) {}
+  [[nodiscard]] Errc code() const noexcept { return code_; }
+  [[nodiscard]] const char* what() const noexcept override {
+    return "cellkv::Result::value() on a refused result (status() says why)";
+  }
+
+ private:
+  Errc code_;
+};
+
+// A value or the reason there is none. `value()` on a refused result throws BadResultAccess, so a
+// refusal can never pass for a value (a sequence id 0, say); check ok() or use value_or().
 template <class T>
 class [[nodiscard]] Result {
  public:
@@ -96,8 +111,14 @@ class [[nodiscard]] Result {
 
   [[nodiscard]] constexpr bool ok() const noexcept { return status_.ok(); }
   [[nodiscard]] constexpr Status status() const noexcept { return status_; }
-  [[nodiscard]] constexpr const T& value() const& noexcept { return value_; }
-  [[nodiscard]] constexpr T& value() & noexcept { return value_; }
+  [[nodiscard]] constexpr const T& value() const& {
+    if (!ok()) throw BadResultAccess(status_.code());
+    return value_;
+  }
+  [[nodiscard]] constexpr T& value() & {
+    if (!ok()) throw BadResultAccess(status_.code());
+    return value_;
+  }
   [[nodiscard]] constexpr T value_or(T fallback) const { return ok() ? value_ : fallback; }
   constexpr explicit operator bool() const noexcept { return ok(); }
 

@@ -4,7 +4,7 @@
 // The random source is an `Entropy`: `GeneratorEntropy` wraps a std::mt19937_64 (the doctest
 // suite), `ByteEntropy` reads fuzz input bytes (the libFuzzer harness) and reports exhaustion.
 //
-// Per operation the driver checks: the status (refusals in DESIGN.md's order); on a refusal, that
+// Per operation the driver checks: the status (refusals in docs/design.md's order); on a refusal, that
 // the cache compares == to a copy taken before the call (strong guarantee); on a placed step, the
 // tokens' positions and rows (exact for lowest_free and the sequence layout, free + distinct for
 // clustered placements), read_len and the serial. After every operation it checks the whole
@@ -449,7 +449,7 @@ class OpDriver {
     model_.clear();
     placed_ = false;
     if constexpr (!kCellLayout) {
-      // DESIGN.md is silent on fork copies pending across clear(): every slot is empty afterwards,
+      // docs/design.md is silent on fork copies pending across clear(): every slot is empty afterwards,
       // so dropping them and keeping them are both correct. Anything else is not.
       const PendingChanges p = cache_.pending_changes();
       const std::vector<RowCopy> got(p.copies.begin(), p.copies.end());

@@ -1,4 +1,4 @@
-// A brute-force model of the cache, written from DESIGN.md sections 2-4 and nothing else.
+// A brute-force model of the cache, written from docs/design.md sections 2-4 and nothing else.
 //
 // State: a plain list of occupied rows (row, position, owner ids), the set of live sequence ids
 // and each live sequence's length pos(s). Every query is answered by scanning that list; nothing
@@ -6,7 +6,7 @@
 // row tables, no free lists), so a bug in the cache cannot hide in the oracle too.
 //
 // The oracle decides, for every operation, whether it must be refused and with which Errc, what
-// positions a step's tokens get, and what each token sees (the rule of DESIGN.md section 3):
+// positions a step's tokens get, and what each token sees (the rule of docs/design.md section 3):
 //
 //   visible(t, row, W)  iff  row occupied, s_t owns row, pos(row) <= p_t, (W == 0 or p_t - pos(row) < W)
 //
@@ -51,7 +51,7 @@ struct Entry {
   std::set<std::int32_t> owners;  // never empty: a row without owners is not in the list
 };
 
-// What a refused declare_step must return. DESIGN.md lists "a sequence id is out of range or not
+// What a refused declare_step must return. docs/design.md lists "a sequence id is out of range or not
 // live" as one clause; when a step holds both an out-of-range id and a dead one the contract does
 // not say which code wins, so `alternative` names the other acceptable one (Errc::ok when none).
 struct Verdict {
@@ -102,7 +102,7 @@ class Model {
     return nullptr;
   }
 
-  // DESIGN.md section 3, literally.
+  // docs/design.md section 3, literally.
   [[nodiscard]] bool visible(std::int32_t seq, std::int32_t pos, std::int64_t row, std::int32_t window) const {
     const Entry* e = find_row(row);
     if (e == nullptr) return false;                       // 1. occupied
@@ -123,7 +123,7 @@ class Model {
 
   // ---- declare_step ----
 
-  // Refusals in the order of DESIGN.md section 4: empty, too wide, ids (range / liveness), room.
+  // Refusals in the order of docs/design.md section 4: empty, too wide, ids (range / liveness), room.
   [[nodiscard]] Verdict admit(std::span<const std::int32_t> ids) const {
     if (ids.empty()) return {Errc::empty_step};
     if (ids.size() > static_cast<std::size_t>(c_.max_write)) return {Errc::step_too_wide};

@@ -1,4 +1,4 @@
-// Every refusal of DESIGN.md section 4 returns its status and leaves the cache identical: each
+// Every refusal of docs/design.md section 4 returns its status and leaves the cache identical: each
 // case compares a full copy of the cache taken before the call (CellCache has operator==).
 #include <doctest/doctest.h>
 
@@ -144,4 +144,20 @@ TEST_CASE("invalid sizes are refused at construction") {
   CHECK(Cells::validate({.max_write = 2, .max_cells = 4}).ok());
   CHECK_THROWS_AS(Cells({.max_write = 0, .max_cells = 4}), std::invalid_argument);
   CHECK_THROWS_AS(Slots({.max_write = 2, .max_seqs = 4, .max_len = -1}), std::invalid_argument);
+}
+
+TEST_CASE("value() of a refused result throws; it never passes for a value") {
+  CellCache<layout::cell, Windows<0>> cache({.max_write = 2, .max_cells = 4, .max_seqs = 1});
+  REQUIRE(cache.seq_new().value() == 0);
+  const Result<std::int32_t> none = cache.seq_new();  // every id is live
+  REQUIRE(none.status() == Errc::no_free_sequence);
+  CHECK_THROWS_AS((void)none.value(), BadResultAccess);
+  try {
+    (void)none.value();
+  } catch (const BadResultAccess& e) {
+    CHECK(e.code() == Errc::no_free_sequence);
+  }
+  CHECK(none.value_or(-1) == -1);
+  CHECK_THROWS_AS((void)cache.pos(5).value(), BadResultAccess);
+  CHECK(cache.live_count() == 1);  // nothing changed
 }

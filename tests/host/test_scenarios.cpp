@@ -1,5 +1,5 @@
 // The scenarios a cell cache must get right, with exact cells, read_len and mask rows.
-// Expected values are worked out by hand from DESIGN.md sections 2-4 (lowest_free placement:
+// Expected values are worked out by hand from docs/design.md sections 2-4 (lowest_free placement:
 // each token takes the lowest free cell, in token order).
 #include <doctest/doctest.h>
 

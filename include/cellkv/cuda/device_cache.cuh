@@ -1,7 +1,7 @@
 // cellkv/cuda/device_cache.cuh - the cache on one GPU: the host CellCache (planning) and one
 // DeviceShard holding every head (the KV pool of every layer, the step buffers at fixed addresses).
 //
-// Step protocol (DESIGN.md section 4) on the caller's stream:
+// Step protocol (docs/design.md section 4) on the caller's stream:
 //   cache.declare_step(seq_ids);                  // host: admission + placement
 //   cache.upload(stream);                         // step data, position-table writes, masks or ranges
 //   for each layer l: cache.update_and_attend(l, q, k, v, out, T, H_q, scale, stream);

@@ -38,7 +38,7 @@ class CacheCommon {
   using Owners = SeqSet<MaxSeqs>;
   static constexpr std::int32_t kMaxSeqs = MaxSeqs;
 
-  // ---- the step protocol (DESIGN.md section 4) ----
+  // ---- the step protocol (docs/design.md section 4) ----
 
   // Admission gate and placement. Refuses, changing nothing, on: T == 0, T > max_write, an id out
   // of range or not live, or no room. On success every token has a fresh row and a derived
@@ -153,7 +153,7 @@ class CacheCommon {
   [[nodiscard]] std::int64_t used_end() const { return self().occupied_end(); }
 
   // Visibility of `row` to token t of the placed step through a layer of window `window`
-  // (DESIGN.md section 3), computed from the row's metadata. Precondition: t < step().tokens.
+  // (docs/design.md section 3), computed from the row's metadata. Precondition: t < step().tokens.
   [[nodiscard]] bool visible(std::int32_t t, std::int64_t row, std::int32_t window) const {
     const std::int32_t s = step_seqs_[t], p = step_pos_[t];
     const std::int32_t rp = self().row_pos(row);
@@ -203,7 +203,7 @@ class CacheCommon {
     return live_.test(id) ? Status{} : Status{Errc::sequence_not_live};
   }
 
-  // Every refusal of declare_step, in the order DESIGN.md lists them; changes nothing.
+  // Every refusal of declare_step, in the order docs/design.md lists them; changes nothing.
   Status admit(std::span<const std::int32_t> seq_ids) {
     if (seq_ids.empty()) return Errc::empty_step;
     if (seq_ids.size() > static_cast<std::size_t>(config_.max_write)) return Errc::step_too_wide;

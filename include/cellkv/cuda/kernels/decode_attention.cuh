@@ -8,12 +8,13 @@
 // of tiles whatever the lengths and wherever the cells are.
 //
 // A warp streams its chunk through its own ring of `Stages` shared-memory stages (16-byte cp.async
-// copies of the rows the table names, gathered row by row) with no block-wide barrier; the row ids
-// of the tile after next are read while the current one computes, and a pair's queries go straight
-// to registers. Throughput comes from many independent warps per SM (small tiles), not from one
-// warp's depth. At the end of a pair's part the warp writes the output, or, for a pair cut by a chunk boundary, a partial (o, lse) that the last
-// part to finish merges: groups of kMergeFanIn parts merge into their first part's slot, level by
-// level, and the last level writes the output. Counters return to zero, so the next launch (and a
+// copies of the rows the table names, gathered row by row) with no block-wide barrier; the table
+// is read ahead (the page of the tile two ahead, the row ids of the tile one ahead), and a pair's
+// queries go straight to registers. Throughput comes from many independent warps per SM (small
+// tiles), not from one warp's depth. At the end of a pair's part the warp writes the output, or,
+// for a pair cut by a chunk boundary, a partial (o, lse) that the last part to finish merges:
+// groups of kMergeFanIn parts merge into their first part's slot, level by level, and the last
+// level writes the output. Counters return to zero, so the next launch (and a
 // graph replay) starts clean. Rows of the padding tokens [tokens, width) are written as zeros.
 //
 // Block: Warps x 32 threads, one worker per warp; grid: any fixed size (persistent); dynamic smem:
@@ -26,6 +27,7 @@
 
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/cuda/kernels/attention_tiles.cuh"
+#include "cellkv/cuda/kernels/layer_args.cuh"
 #include "cellkv/cuda/kernels/mma.cuh"
 #include "cellkv/cuda/numeric.cuh"
 #include "cellkv/pool_view.hpp"
@@ -67,20 +69,11 @@ constexpr int decode_smem_bytes() {
 }
 
 template <class T, class Rows>
-struct DecodeArgs {
-  const T* q = nullptr;  // [width, heads_q, D]
-  T* out = nullptr;      // [width, heads_q, D]
-  PoolView<const T> pool;
-  Rows rows;
-  std::int32_t heads_q = 0;
-  float scale_log2 = 0;  // scale * log2(e)
-  std::int32_t window = 0;
-  const Segment* segments = nullptr;
-  WindowWork work;
+struct DecodeArgs : LayerArgs<T, Rows> {
   const std::int32_t* tokens = nullptr;  // T on the device
   std::int32_t width = 0;
-  float* partial_o = nullptr;          // [slots][kDecodeRows][D]
-  float* partial_lse = nullptr;        // [slots][kDecodeRows]
+  float* partial_o = nullptr;            // [slots][kDecodeRows][D]
+  float* partial_lse = nullptr;          // [slots][kDecodeRows]
   std::int32_t* merge_counts = nullptr;  // [kMergeLevels][slots], zero between launches
   std::int32_t slots = 0;                // 2 x workers
 };
@@ -307,7 +300,7 @@ __device__ void load_query_shared(std::uint32_t tile, const T* src, int heads_q,
 template <class T, int D, class Rows, class SlotOf>
 __device__ void merge_parts(const DecodeArgs<T, Rows>& a, const PairRows& p, int members, SlotOf&& slot_of, bool final,
                             int lane) {
-  float w[kDecodeRows];  // this lane's member's weight per row (lanes >= members: unused)
+  float w[kDecodeRows] = {};  // this lane's member's weight per row (0 for lanes >= members)
   float lse[kDecodeRows];
 #pragma unroll
   for (int r = 0; r < kDecodeRows; ++r)

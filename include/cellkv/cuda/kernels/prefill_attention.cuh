@@ -17,6 +17,7 @@
 
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/cuda/kernels/attention_tiles.cuh"
+#include "cellkv/cuda/kernels/layer_args.cuh"
 #include "cellkv/cuda/kernels/mma.cuh"
 #include "cellkv/cuda/numeric.cuh"
 #include "cellkv/pool_view.hpp"
@@ -34,17 +35,7 @@ constexpr int prefill_smem_bytes() {
 }
 
 template <class T, class Rows>
-struct PrefillArgs {
-  const T* q = nullptr;  // [width, heads_q, D]
-  T* out = nullptr;      // [width, heads_q, D]
-  PoolView<const T> pool;
-  Rows rows;
-  std::int32_t heads_q = 0;
-  float scale_log2 = 0;  // scale * log2(e)
-  std::int32_t window = 0;
-  const Segment* segments = nullptr;
-  WindowWork work;
-};
+using PrefillArgs = LayerArgs<T, Rows>;
 
 // Rows [row0, row0 + rows) of a segment; row r is token r / group, head r % group of the group.
 struct ItemRows {

@@ -1,6 +1,6 @@
 // cellkv/cuda/kernels/step_kernels.cuh - per-step device work of the cell layout:
 //   apply_table_writes  the uploaded position-table writes into the table's device copy
-//   build_masks         each window's dense mask rows (the seed's contract), from the table
+//   build_masks         each window's dense mask rows (the mask contract, docs/design.md section 5), from the table
 #pragma once
 
 #include <cuda_runtime.h>

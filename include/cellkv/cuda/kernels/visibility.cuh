@@ -13,7 +13,7 @@
 namespace cellkv::gpu {
 namespace kernels {
 
-// The seed's contract: an explicit bool mask [tokens, row_stride] and a device-side bound kv_len;
+// The mask contract (docs/design.md section 5): an explicit bool mask [tokens, row_stride] and a device-side bound kv_len;
 // the sweep covers [0, min(kv_len, row_stride, rows)).
 struct MaskVisibility {
   const bool* mask = nullptr;

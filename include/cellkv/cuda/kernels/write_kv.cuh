@@ -1,6 +1,6 @@
 // cellkv/cuda/kernels/write_kv.cuh - the step's K and V rows into the pool, in one launch.
 //
-//   pool.k[cells[t]] = k[t], pool.v[cells[t]] = v[t] for t < tokens   (the seed's index_copy_)
+//   pool.k[cells[t]] = k[t], pool.v[cells[t]] = v[t] for t < tokens   (an index_copy of rows)
 //
 // k, v: [tokens, H_kv, D]. 16-byte vector copies, grid-stride over (K or V, token, vector).
 // Preconditions (checked by the launcher): rows are a multiple of 16 bytes, pointers 16-byte

@@ -82,7 +82,7 @@ Status write_kv(PoolView<T> pool, const T* k, const T* v, const std::int64_t* ce
   return detail::last_launch();
 }
 
-// The seed's attention contract: token t sees row c iff mask[t * mask_row_stride + c], for c below
+// The mask contract (docs/design.md section 6): token t sees row c iff mask[t * mask_row_stride + c], for c below
 // the device-side bound *kv_len (read on the device, so it may change under graph replay).
 template <Element T>
 Status masked_sdpa(const AttentionArgs<T>& args, const bool* mask, std::int64_t mask_row_stride,

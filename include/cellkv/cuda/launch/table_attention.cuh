@@ -107,10 +107,9 @@ class TableAttention {
                 ::cuda::stream_ref stream) const {
     if (scale == 0.f) scale = 1.f / std::sqrt(static_cast<float>(shape_.head_dim));
     const float scale_log2 = scale * kernels::kLog2e;
-    const kernels::DecodeArgs<T, Rows> dec{q,         out,          pool,       rows, shape_.heads_q, scale_log2,
-                                           window,    b.segments,   b.work[buffer], b.tokens, width,
-                                           partial_o_.data(), partial_lse_.data(), merge_counts_.data(), slots_};
     const kernels::PrefillArgs<T, Rows> pre{q, out, pool, rows, shape_.heads_q, scale_log2, window, b.segments, b.work[buffer]};
+    const kernels::DecodeArgs<T, Rows> dec{pre, b.tokens, width, partial_o_.data(), partial_lse_.data(),
+                                           merge_counts_.data(), slots_};
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CELLKV_CUDA_STATUS(cudaStreamIsCapturing(stream.get(), &capture));
     const bool any = capture != cudaStreamCaptureStatusNone;
