@@ -19,12 +19,15 @@
 #include "cellkv/cuda/stream.hpp"
 #include "llama/gpu_llama.cuh"
 #include "llama/host_llama.hpp"
+#include "../host/executor_cases.hpp"
 #include "support.cuh"
 
 namespace {
 
 using namespace cellkv;
 using namespace cellkv::batching;
+using test::kSessionSampling;
+using test::outputs_of;
 using Model = Windows<0, 6>;
 template <class L, class P>
 using Cache = gpu::DeviceCache<L, float, Model, P, 16>;
@@ -142,29 +145,17 @@ TEST_CASE("gpu executor: cells reused across rounds of sessions leak no K/V") {
 
 namespace {
 
-const SamplingParams kSampling[] = {
-    {.temperature = 0.8f, .top_k = 20, .top_p = 0.9f, .seed = 1},
-    {.temperature = 1.2f, .seed = 2},
-    {.temperature = 0.f},
-    {.temperature = 1.f, .top_p = 0.7f, .min_p = 0.05f, .seed = 3, .logprobs = true},
-    {.temperature = 0.6f, .top_k = 5, .seed = 4},
-};
 const std::int32_t kLengths[] = {1, 4, 13, 31, 50};
 
-// Five sessions with kSampling's parameters run to the end through `exec`; their tokens.
+// Five sessions with kSessionSampling's parameters run to the end through `exec`; their tokens.
 template <class E>
 std::vector<std::vector<std::int32_t>> run_sampled(E& exec) {
   std::vector<SessionId> ids;
   for (std::int32_t i = 0; i < 5; ++i)
-    ids.push_back(exec.sessions().add(prompt_of(kLengths[i], i), 16, kSampling[i]).value());
+    ids.push_back(exec.sessions().add(prompt_of(kLengths[i], i), 16, kSessionSampling[i]).value());
   for (const std::int32_t w : {5, 24, 2}) REQUIRE(exec.step(w).ok());
   REQUIRE(exec.run_until_idle().ok());
-  std::vector<std::vector<std::int32_t>> out;
-  for (const SessionId id : ids) {
-    const auto o = exec.sessions().output(id).value();
-    out.emplace_back(o.begin(), o.end());
-  }
-  return out;
+  return outputs_of(exec, std::span<const SessionId>(ids));
 }
 
 using HostCells = CellCache<layout::cell, Model, placement::clustered<64>, 16>;
@@ -185,7 +176,7 @@ TEST_CASE("gpu executor: seeded sampling equals solo, no overlap, cuBLAS, and th
   std::int32_t greedy_differs = 0;
   for (std::int32_t i = 0; i < 5; ++i) {
     CAPTURE(i);
-    CHECK(batched[static_cast<std::size_t>(i)] == solo<Cells>(prompt_of(kLengths[i], i), 16, kSampling[i]));
+    CHECK(batched[static_cast<std::size_t>(i)] == solo<Cells>(prompt_of(kLengths[i], i), 16, kSessionSampling[i]));
     greedy_differs += batched[static_cast<std::size_t>(i)] != solo<Cells>(prompt_of(kLengths[i], i), 16);
   }
   CHECK(greedy_differs >= 3);

@@ -22,6 +22,7 @@
 #include "cellkv/cuda/stream.hpp"
 #include "llama/gpu_llama.cuh"
 #include "llama/tp_llama.cuh"
+#include "../host/executor_cases.hpp"
 #include "support.cuh"
 
 namespace cellkv::test::tp {
@@ -193,12 +194,7 @@ std::vector<std::vector<std::int32_t>> generate_all(M& model, C& cache) {
   for (int s = 0; s < 4; ++s) REQUIRE(exec.step().ok());
   ids.push_back(exec.sessions().clone(ids[2], 16).value());
   REQUIRE(exec.run_until_idle().ok());
-  std::vector<std::vector<std::int32_t>> out;
-  for (const SessionId id : ids) {
-    const auto o = exec.sessions().output(id).value();
-    out.emplace_back(o.begin(), o.end());
-  }
-  return out;
+  return outputs_of(exec, std::span<const SessionId>(ids));
 }
 
 template <class L, class P>

@@ -18,12 +18,14 @@
 #include "cellkv/cell_cache.hpp"
 #include "llama/host_llama.hpp"
 #include "batch_checks.hpp"
+#include "executor_cases.hpp"
 #include "support.hpp"
 
 namespace {
 
 using namespace cellkv;
 using namespace cellkv::batching;
+using test::kSessionSampling;
 using Model = Windows<0, 6>;  // a full-history layer and a sliding-window layer
 using Cells = CellCache<layout::cell, Model, placement::lowest_free, 16>;
 using Slots = CellCache<layout::sequence, Model, placement::lowest_free, 16>;
@@ -219,14 +221,6 @@ TEST_CASE("host executor: the model refuses token ids outside its vocabulary") {
 
 namespace {
 
-// Sessions with different sampling parameters; the same list batched or solo.
-const SamplingParams kSampling[] = {
-    {.temperature = 0.8f, .top_k = 20, .top_p = 0.9f, .seed = 1},
-    {.temperature = 1.2f, .seed = 2},
-    {.temperature = 0.f},
-    {.temperature = 1.f, .top_p = 0.7f, .min_p = 0.05f, .seed = 3, .logprobs = true},
-    {.temperature = 0.6f, .top_k = 5, .seed = 4},
-};
 
 template <class Cache>
 std::vector<std::int32_t> solo_sampled(const std::vector<std::int32_t>& prompt, std::int32_t max_new,
@@ -246,7 +240,7 @@ TEST_CASE("host executor: seeded sampling is the same batched, solo, and with or
   llama::HostLlama<Cells> model(kConfig, weights(), cache);
   Executor exec(model, cache, kLimits);
   std::vector<SessionId> ids;
-  for (std::int32_t i = 0; i < 5; ++i) ids.push_back(exec.sessions().add(prompt_of(3 + 6 * i, i), 14, kSampling[i]).value());
+  for (std::int32_t i = 0; i < 5; ++i) ids.push_back(exec.sessions().add(prompt_of(3 + 6 * i, i), 14, kSessionSampling[i]).value());
   for (const std::int32_t w : {7, 24, 3, 1, 24}) REQUIRE(exec.step(w).ok());  // an odd mix of widths
   const SessionId fork = exec.sessions().clone(ids[1], 10, {.temperature = 1.f, .seed = 77}).value();
   REQUIRE(exec.run_until_idle().ok());
@@ -254,9 +248,9 @@ TEST_CASE("host executor: seeded sampling is the same batched, solo, and with or
   for (std::int32_t i = 0; i < 5; ++i) {
     CAPTURE(i);
     const auto got = output_of(exec, ids[static_cast<std::size_t>(i)]);
-    CHECK(got == solo_sampled<Cells>(prompt_of(3 + 6 * i, i), 14, kSampling[i]));
-    CHECK(got == solo_sampled<Cells>(prompt_of(3 + 6 * i, i), 14, kSampling[i], {.overlap = false}));
-    CHECK(got == solo_sampled<Slots>(prompt_of(3 + 6 * i, i), 14, kSampling[i]));
+    CHECK(got == solo_sampled<Cells>(prompt_of(3 + 6 * i, i), 14, kSessionSampling[i]));
+    CHECK(got == solo_sampled<Cells>(prompt_of(3 + 6 * i, i), 14, kSessionSampling[i], {.overlap = false}));
+    CHECK(got == solo_sampled<Slots>(prompt_of(3 + 6 * i, i), 14, kSessionSampling[i]));
     greedy_differs += got != solo_sampled<Cells>(prompt_of(3 + 6 * i, i), 14, {});
   }
   CHECK(greedy_differs >= 3);  // the sampled sessions really sample
