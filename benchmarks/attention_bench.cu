@@ -6,7 +6,7 @@
 //   decode  N x L: N sequences holding L cells each, one new token per sequence; effective TB/s =
 //           live K+V bytes (N L H_kv D 2 bytes x 2) / time of one attention call (write excluded)
 //   prefill N x L: one step of N sequences x L tokens, causal; useful TFLOP/s = 4 N L(L+1)/2 H_q D / time
-//   overhead: declare + upload (+ mirror, tile stats, tile lists, schedule) of 256 decode tokens
+//   overhead: declare + upload (step block, each window's work, position-table writes) of 256 decode tokens
 //           over 256k cells, wall time from declare to the stream being idle
 //
 // Placement of the decode caches: tokens are placed as decode places them, round-robin over the

@@ -1,7 +1,7 @@
 // cellkv/seq_set.hpp - a fixed-size set of sequence ids: the owners of a cell.
 //
 // MaxSeqs bits in ceil(MaxSeqs / 64) words; bit s is set when sequence s owns the cell. The word
-// layout is the one the device mirror uses (word w holds ids [64w, 64w + 64)).
+// layout: word w holds ids [64w, 64w + 64).
 #pragma once
 
 #include <array>

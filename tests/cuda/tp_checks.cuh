@@ -70,7 +70,7 @@ std::vector<std::unique_ptr<gpu::Stream>> shard_streams(const Sharded& cache) {
 
 // A single-device cache and a sharded one driven through the same random steps (new sequences,
 // forks, removals, padded widths): after every upload the shards' step buffers equal the single
-// cache's; each layer's shard attention equals the single attention's columns (bf16, fast path
+// cache's; each layer's shard attention equals the single attention's columns (bf16, table kernels
 // where it applies); at the end each shard's pool is the single pool's columns of its KV heads.
 template <class L>
 void sharded_buffers_equal_single(const std::vector<int>& devices) {
