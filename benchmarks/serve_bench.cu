@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "../examples/llama/gpu_llama.cuh"
+#include "llama/gpu_llama.cuh"
 #include "decode_timing.hpp"
 
 namespace {

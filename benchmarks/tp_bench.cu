@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
-#include "../examples/llama/gpu_llama.cuh"
-#include "../examples/llama/nccl_reduce.cuh"
-#include "../examples/llama/tp_llama.cuh"
+#include "llama/gpu_llama.cuh"
+#include "llama/nccl_reduce.cuh"
+#include "llama/tp_llama.cuh"
 #include "decode_timing.hpp"
 
 namespace {
