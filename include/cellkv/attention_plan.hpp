@@ -82,8 +82,9 @@ CELLKV_HOST_DEVICE constexpr bool is_decode(const Segment& s, std::int32_t group
 }
 
 // Prefill items a step of max_write tokens can need: ceil(len x group / kPrefillRows) per segment.
-constexpr std::int32_t max_prefill_items(std::int32_t max_write, std::int32_t group) noexcept {
-  return static_cast<std::int32_t>((static_cast<std::int64_t>(max_write) * group) / kPrefillRows + max_write);
+// In int64: a step block refuses a count past int32 (step_block.hpp).
+constexpr std::int64_t max_prefill_items(std::int32_t max_write, std::int32_t group) noexcept {
+  return (static_cast<std::int64_t>(max_write) * group) / kPrefillRows + max_write;
 }
 
 // Plans one window's work from the step's segments.

@@ -3,6 +3,7 @@
 
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/cell_cache.hpp"
+#include "cellkv/footprint.hpp"
 #include "cellkv/host_device.hpp"
 #include "cellkv/host_pool.hpp"
 #include "cellkv/layout.hpp"
@@ -14,6 +15,7 @@
 #include "cellkv/seq_set.hpp"
 #include "cellkv/sharding.hpp"
 #include "cellkv/status.hpp"
+#include "cellkv/step_block.hpp"
 #include "cellkv/step_plan.hpp"
 #include "cellkv/visibility.hpp"
 #include "cellkv/windows.hpp"

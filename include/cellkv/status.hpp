@@ -32,7 +32,7 @@ enum class Errc : std::uint8_t {
   unsupported_dtype,
   misaligned_pointer,  // a pointer is not 16-byte aligned where a kernel needs vector access
   bad_argument,        // any other argument outside its documented range
-  device_error,        // a CUDA call failed; the message of the CUDA error is logged by the owner
+  device_error,        // a CUDA call failed; gpu::last_cuda_failure() says which (cuda/error.hpp)
   // batching
   unknown_session,
   too_many_sessions,
@@ -40,6 +40,9 @@ enum class Errc : std::uint8_t {
   overlapping_input,   // the same session was given input twice in one step
   // tensor parallelism
   uneven_shards,       // heads or columns do not split evenly over the shards
+  // sizes and device faults
+  size_overflow,       // a configuration's sizes overflow what cellkv can index or count (size_t, int32)
+  bad_device_row,      // a device write met a row outside the pool (its data went to the scratch row)
 };
 
 [[nodiscard]] constexpr std::string_view describe(Errc e) noexcept {
@@ -66,6 +69,9 @@ enum class Errc : std::uint8_t {
     case Errc::over_budget: return "over budget: the prompt or generation passes its token budget";
     case Errc::overlapping_input: return "overlapping input: a session was given input twice";
     case Errc::uneven_shards: return "uneven shards: heads or columns must split evenly over the shards";
+    case Errc::size_overflow: return "size overflow: the configuration's sizes overflow size_t or int32";
+    case Errc::bad_device_row:
+      return "bad device row: a device write met a row outside the pool; the write went to the scratch row";
   }
   return "unknown status";
 }

@@ -2,11 +2,13 @@
 // masked / range attention for every dtype and head dim, awkward token counts (1, 3, 7, 17, 64),
 // kv_len not a multiple of any tile, H_kv = 1, H_q = H_kv and GQA. Outputs are poisoned before each
 // run (every element must be written); mask columns and pool rows past kv_len are poisoned too
-// (true bits, NaN values), so reading them would show.
+// (true bits, NaN values), so reading them would show. Ranges outside the pool are clamped to it.
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -143,4 +145,39 @@ TEST_CASE_TEMPLATE("write_kv copies K and V rows to their cells in one launch", 
     for (std::size_t row = 0; row < written.size(); ++row)
       if (!written[row]) CHECK((is_poison(hk[row * row_elems]) && is_poison(hv[row * row_elems + row_elems - 1])));
   }
+}
+
+TEST_CASE_TEMPLATE("range_sdpa clamps every range to the pool, whatever the device data says", T, __nv_bfloat16, float) {
+  // The pool's rows sit between margins of NaN rows: a sweep that left [0, rows) would read them.
+  std::mt19937_64 rng(78);
+  const std::int32_t D = 64, tokens = 6, margin = 16;
+  const Heads heads{4, 2};
+  const std::int64_t rows = 40;
+  const auto row_elems = static_cast<std::size_t>(heads.kv * D);
+  const auto k = random_values<T>(static_cast<std::size_t>(rows) * row_elems, rng);
+  const auto v = random_values<T>(k.size(), rng);
+  std::vector<T> gk((static_cast<std::size_t>(rows) + 2 * margin) * row_elems, poison<T>()), gv(gk.size(), poison<T>());
+  std::copy(k.begin(), k.end(), gk.begin() + margin * static_cast<std::ptrdiff_t>(row_elems));
+  std::copy(v.begin(), v.end(), gv.begin() + margin * static_cast<std::ptrdiff_t>(row_elems));
+  const auto q = random_values<T>(static_cast<std::size_t>(tokens * heads.q * D), rng);
+  constexpr std::int32_t kMin = std::numeric_limits<std::int32_t>::min(), kMax = std::numeric_limits<std::int32_t>::max();
+  const std::vector<RowRange> ranges{{-5, 10}, {-100, 140}, {30, 43}, {42, 49}, {kMin, kMax}, {kMin, -1}};
+  DeviceArray<T> dk(gk), dv(gv), dq(q), dout(q.size());
+  dout.fill(poison<T>());
+  DeviceArray<RowRange> dranges(ranges);
+  DeviceArray<std::int64_t> dlen(std::vector<std::int64_t>{rows + 50});  // past the pool too
+  gpu::Stream stream;
+  const std::size_t at = static_cast<std::size_t>(margin) * row_elems;
+  const gpu::AttentionArgs<T> args{dq.data(), {dk.data() + at, dv.data() + at, rows, heads.kv, D}, dout.data(), tokens,
+                                   heads.q, 0.f};
+  REQUIRE(gpu::range_sdpa<T>(args, dranges.data(), dlen.data(), stream).ok());
+  stream.synchronize();
+  const auto kd = as_double(k), vd = as_double(v), qd = as_double(q);
+  std::vector<double> want(q.size());
+  reference::attend<double>(qd, PoolView<const double>{kd.data(), vd.data(), rows, heads.kv, D}, want, heads.q, rows,
+                            reference::default_scale(D), [&](std::int32_t t, std::int64_t c) {
+                              const RowRange r = ranges[static_cast<std::size_t>(t)];
+                              return c >= std::max<std::int64_t>(r.begin, 0) && c < std::min<std::int64_t>(r.end, rows);
+                            });
+  CHECK(compare_outputs(dout.download(), want, D) <= tolerance<T>());
 }

@@ -74,3 +74,52 @@ TEST_CASE("sharded cache refusals: bad construction throws; bad calls return a s
   CHECK_THROWS_AS(llama::DeviceSumReduce<float>(9), std::invalid_argument);
   test::require_device_ok();
 }
+
+TEST_CASE("sharded cache: a bad row in one shard's step block is reported once by the next commit, then upload") {
+  using C = gpu::ShardedCache<layout::cell, __nv_bfloat16, Layers, placement::lowest_free, 16>;
+  C cache(kCacheConfig, kShape, std::vector<int>{0, 0});
+  const auto streams = shard_streams(cache);
+  const std::vector<::cuda::stream_ref> refs{streams[0]->ref(), streams[1]->ref()};
+  const std::int32_t id = cache.seq_new().value();
+  const std::vector<std::int32_t> ids{id, id, id};
+  // Shard 1 holds one KV head of D = 64: k, v [3, 1, 64].
+  test::DeviceArray<__nv_bfloat16> k(3 * 64), v(3 * 64);
+  k.fill(__float2bfloat16(1.f));
+  v.fill(__float2bfloat16(2.f));
+  const std::int64_t bad = kCacheConfig.max_cells + 1 + 100;  // past the scratch row: layer 0's V row 100
+  const auto storage = cache.shard(1).pool().storage();
+  REQUIRE(cudaMemset(storage.data(), 0xff, storage.size_bytes()) == cudaSuccess);
+  auto plant_and_write = [&] {
+    REQUIRE(cache.declare_step(ids).ok());
+    REQUIRE(cache.upload(refs).ok());
+    for (const auto& s : streams) s->synchronize();
+    REQUIRE(cudaMemcpy(cache.shard(1).bindings().cells + 2, &bad, sizeof bad, cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cache.shard(1).write(0, k.data(), v.data(), 3, refs[1]).ok());
+    streams[1]->synchronize();
+  };
+
+  plant_and_write();
+  CHECK(cache.commit(refs) == Errc::bad_device_row);
+  for (std::int32_t g = 0; g < 2; ++g) CHECK(cache.shard(g).width() == 3);  // no shard ended the step
+  REQUIRE(cache.commit(refs).ok());  // reported once
+
+  plant_and_write();
+  REQUIRE(cache.declare_step(ids).ok());
+  CHECK(cache.upload(refs) == Errc::bad_device_row);
+  for (std::int32_t g = 0; g < 2; ++g) CHECK(cache.shard(g).width() == 0);  // no shard uploaded
+  REQUIRE(cache.upload(refs).ok());
+  REQUIRE(cache.commit(refs).ok());
+
+  // The bad token's K and V went to the scratch rows of layer 0; layer 0's V row 100, where the
+  // unchecked K write would have landed, is still poison (no token of the test wrote it).
+  std::vector<__nv_bfloat16> all(storage.size());
+  REQUIRE(cudaMemcpy(all.data(), storage.data(), all.size() * sizeof(__nv_bfloat16), cudaMemcpyDeviceToHost) ==
+          cudaSuccess);
+  const std::size_t per_tensor = static_cast<std::size_t>(kCacheConfig.max_cells + 1) * 64;
+  const std::size_t scratch = static_cast<std::size_t>(kCacheConfig.max_cells) * 64;
+  CHECK(__bfloat162float(all[scratch]) == 1.f);               // layer 0 K, scratch row
+  CHECK(__bfloat162float(all[per_tensor + scratch]) == 2.f);  // layer 0 V, scratch row
+  const std::size_t landing = per_tensor + static_cast<std::size_t>(bad - kCacheConfig.max_cells - 1) * 64;
+  for (std::size_t i = landing; i < landing + 64; ++i) CHECK(test::is_poison(all[i]));
+  test::require_device_ok();
+}

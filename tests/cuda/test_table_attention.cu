@@ -167,13 +167,15 @@ TEST_CASE("table kernels: one long sequence is split over many warps and merged,
     const std::vector<std::int32_t> one{a};
     REQUIRE(cache.declare_step(one).ok());
     checked_step(cache, harness, 1, 64, rng, stream);
-    CHECK(cache.shard().work_counts(0).decode == 1);  // one decode segment, 7001 positions
-    CHECK(cache.shard().work_counts(0).prefill == 0);
+    CHECK(cache.shard().work_counts(0).value().decode == 1);  // one decode segment, 7001 positions
+    CHECK(cache.shard().work_counts(0).value().prefill == 0);
+    CHECK(cache.shard().work_counts(-1).status() == Errc::bad_argument);  // no such window buffer
+    CHECK(cache.shard().work_counts(Model::kDistinct).status() == Errc::bad_argument);
     const std::vector<std::int32_t> mixed{a, a, a, a, a, a, a, a, other};  // a prefill segment (32 rows), a decode one
     REQUIRE(cache.declare_step(mixed).ok());
     checked_step(cache, harness, 9, 64, rng, stream);
-    CHECK(cache.shard().work_counts(0).decode == 1);
-    CHECK(cache.shard().work_counts(0).prefill == 1);
+    CHECK(cache.shard().work_counts(0).value().decode == 1);
+    CHECK(cache.shard().work_counts(0).value().prefill == 1);
   }
   require_device_ok();
 }

@@ -1,5 +1,6 @@
-// cellkv/cuda/device_cache.cuh - the cache on one GPU: the host CellCache (planning) and one
-// DeviceShard holding every head (the KV pool of every layer, the step buffers at fixed addresses).
+// cellkv/cuda/device_cache.cuh - the cache on one GPU: the host CellCache with its planning verbs
+// (PlanningVerbs) and one DeviceShard holding every head (the KV pool of every layer, the step
+// buffers at fixed addresses), whose device verbs it is: nothing is forwarded twice.
 //
 // Step protocol (docs/design.md section 4) on the caller's stream:
 //   cache.declare_step(seq_ids);                  // host: admission + placement
@@ -18,88 +19,46 @@
 #include <cuda/stream_ref>
 
 #include <cstdint>
-#include <optional>
-#include <span>
 
 #include "cellkv/cell_cache.hpp"
 #include "cellkv/cuda/device_shard.cuh"
+#include "cellkv/cuda/planning_verbs.hpp"
 
 namespace cellkv::gpu {
 
+// Planning verbs (declare_step, seq_new, seq_clone, seq_rm, rewind, clear, host()) from
+// PlanningVerbs; device verbs and state (upload, write, attend, update_and_attend, commit, pool(),
+// bindings(), mask(), width(), fast(), use_kernels(), work_counts(), footprint()) from DeviceShard.
 template <Layout L, Element T, WindowSet W, Placement P = placement::lowest_free, std::int32_t MaxSeqs = 256>
-class DeviceCache {
+class DeviceCache : public PlanningVerbs<CellCache<L, W, P, MaxSeqs>, DeviceCache<L, T, W, P, MaxSeqs>>,
+                    public DeviceShard<L, T, W, P, MaxSeqs> {
+  using Planning = PlanningVerbs<CellCache<L, W, P, MaxSeqs>, DeviceCache>;
+  friend Planning;
+
  public:
   using Shard = DeviceShard<L, T, W, P, MaxSeqs>;
   using Host = typename Shard::Host;
   using Element = T;
   using Windows = W;
 
-  // Throws std::invalid_argument on a bad config or shape, cellkv::gpu::Error on a CUDA failure.
-  DeviceCache(const CacheConfig& config, PoolShape shape) : host_(config), shard_(host_, shape) {}
-  DeviceCache(const DeviceCache&) = delete;
-  DeviceCache& operator=(const DeviceCache&) = delete;
+  // Builds the host cache, then the shard (which checks its footprint against the device's free
+  // memory before allocating). Throws std::invalid_argument on a bad config or shape,
+  // OutOfDeviceMemory when the footprint passes the free memory, cellkv::gpu::Error on a CUDA failure.
+  DeviceCache(const CacheConfig& config, PoolShape shape) : Planning(config), Shard(Planning::host_, shape) {}
 
-  // ---- planning (host) ----
-  [[nodiscard]] const Host& host() const noexcept { return host_; }
-  Result<StepPlan> declare_step(std::span<const std::int32_t> seq_ids) { return host_.declare_step(seq_ids); }
-  Result<std::int32_t> seq_new() { return host_.seq_new(); }
-  Result<std::int32_t> seq_clone(std::int32_t src, std::int32_t upto = -1) { return host_.seq_clone(src, upto); }
-  Status seq_rm(std::int32_t id) { return host_.seq_rm(id); }
-  Status rewind(std::int32_t id, std::int32_t pos) { return host_.rewind(id, pos); }
-  void clear() { host_.clear(); }
+  // The device half, every head of the model.
+  [[nodiscard]] const Shard& shard() const noexcept { return *this; }
 
-  // ---- device state ----
-  [[nodiscard]] const Shard& shard() const noexcept { return shard_; }
-  [[nodiscard]] const KVPool<L, T>& pool() const noexcept { return shard_.pool(); }
-  [[nodiscard]] const StepBindings& bindings() const noexcept { return shard_.bindings(); }
-  // Device mask of window buffer b (cell layout): [max_write, max_cells] bool, row stride max_cells.
-  [[nodiscard]] const bool* mask(std::int32_t buffer) const noexcept { return shard_.mask(buffer); }
-  // Width of the uploaded step (tokens + padding), 0 when no step is uploaded.
-  [[nodiscard]] std::int32_t width() const noexcept { return shard_.width(); }
-  // True when attend runs the table kernels (tensor cores, position ranges) rather than the reference.
-  [[nodiscard]] bool fast() const noexcept { return shard_.fast(); }
-  // Picks the kernels of later uploads and forwards (applies from the next upload).
-  void use_kernels(KernelChoice choice) noexcept { shard_.use_kernels(choice); }
-
-  // Uploads the placed step padded to `width` tokens (0: exactly T); see DeviceShard::upload.
-  // Refuses when no step is placed or width is outside [T, max_write].
+  // Uploads the placed step padded to `width` tokens (0: exactly T), then acknowledges the host's
+  // pending changes (this one device has them); see DeviceShard::upload for the refusals.
   Status upload(::cuda::stream_ref stream, std::int32_t width = 0, Masks masks = Masks::if_needed) {
-    if (const Status s = shard_.upload(stream, width, masks); !s.ok()) return s;
-    host_.acknowledge_changes();
+    if (const Status s = Shard::upload(stream, width, masks); !s.ok()) return s;
+    Planning::host_.acknowledge_changes();
     return {};
   }
 
-  // Writes the step's K and V rows of `layer`: k, v [width, H_kv, D].
-  Status write(std::int32_t layer, const T* k, const T* v, std::int32_t tokens, ::cuda::stream_ref stream) const {
-    return shard_.write(layer, k, v, tokens, stream);
-  }
-
-  // Attention of `layer` through its window: q, out [width, H_q, D]; scale 0 = 1/sqrt(D).
-  Status attend(std::int32_t layer, const T* q, T* out, std::int32_t tokens, std::int32_t heads_q, float scale,
-                ::cuda::stream_ref stream) const {
-    return shard_.attend(layer, q, out, tokens, heads_q, scale, stream);
-  }
-
-  // write then attend: the operation every attention layer lowers to.
-  Status update_and_attend(std::int32_t layer, const T* q, const T* k, const T* v, T* out, std::int32_t tokens,
-                           std::int32_t heads_q, float scale, ::cuda::stream_ref stream) const {
-    return shard_.update_and_attend(layer, q, k, v, out, tokens, heads_q, scale, stream);
-  }
-
-  // update_and_attend for a layer whose window is Window (checked at compile time to be in the
-  // set, and at run time to be the layer's).
-  template <std::int32_t Window>
-  Status update_and_attend(std::int32_t layer, const T* q, const T* k, const T* v, T* out, std::int32_t tokens,
-                           std::int32_t heads_q, float scale, ::cuda::stream_ref stream) const {
-    return shard_.template update_and_attend<Window>(layer, q, k, v, out, tokens, heads_q, scale, stream);
-  }
-
-  // Ends the step: records its event. Later calls for this step are refused until the next declaration.
-  Status commit(::cuda::stream_ref stream) { return shard_.commit(stream); }
-
  private:
-  Host host_;
-  Shard shard_;
+  void before_planning() noexcept {}  // upload acknowledges the changes of its one device
 };
 
 }  // namespace cellkv::gpu

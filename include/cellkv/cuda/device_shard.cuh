@@ -21,6 +21,7 @@
 #include <optional>
 #include <span>
 #include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "cellkv/attention_plan.hpp"
@@ -31,6 +32,8 @@
 #include "cellkv/cuda/launch/step.cuh"
 #include "cellkv/cuda/launch/table_attention.cuh"
 #include "cellkv/cuda/step_buffers.hpp"
+#include "cellkv/footprint.hpp"
+#include "cellkv/step_block.hpp"
 
 namespace cellkv::gpu {
 
@@ -57,9 +60,11 @@ class DeviceShard {
   using Windows = W;
 
   // `host` must outlive the shard. shape: this shard's heads (H_kv and H_q of its slice).
-  // Throws std::invalid_argument on a bad shape, cellkv::gpu::Error on a CUDA failure.
+  // Checks footprint(host.config(), shape) against the device's free memory before allocating.
+  // Throws std::invalid_argument on a bad shape or sizes that overflow, OutOfDeviceMemory when the
+  // footprint passes the free memory, cellkv::gpu::Error on a CUDA failure.
   DeviceShard(const Host& host, PoolShape shape)
-      : host_(host), pool_(host.config(), shape), buffers_(make_buffers(host, shape)) {
+      : host_(host), pool_(config_that_fits(host.config(), shape), shape), buffers_(make_buffers(host, shape)) {
     if (shape.layers != W::kLayers)
       throw std::invalid_argument("cellkv::gpu::DeviceShard: the pool needs one layer per layer of the window set");
     if (kCells) buffers_.bindings().max_cells = host.config().max_cells;
@@ -91,16 +96,36 @@ class DeviceShard {
   [[nodiscard]] std::size_t step_block_bytes() const noexcept { return buffers_.layout().table_writes; }
   // Serial of the last step this shard uploaded (0: none).
   [[nodiscard]] std::uint64_t uploaded_serial() const noexcept { return uploaded_serial_; }
-  // Decode segments and prefill items of window buffer b in the uploaded step (table kernels).
-  [[nodiscard]] WorkCounts work_counts(std::int32_t buffer) const noexcept { return counts_[static_cast<std::size_t>(buffer)]; }
+  // Decode segments and prefill items of window buffer b in the uploaded step (table kernels);
+  // bad_argument for a buffer outside [0, W::kDistinct).
+  [[nodiscard]] Result<WorkCounts> work_counts(std::int32_t buffer) const noexcept {
+    if (buffer < 0 || buffer >= W::kDistinct) return Errc::bad_argument;
+    return counts_[static_cast<std::size_t>(buffer)];
+  }
+
+  // The device bytes a shard of `shape` allocates for `config` (footprint.hpp), the dense masks
+  // counted when uploads build them: Masks::always, or if_needed on the reference kernel's path
+  // (fp32 storage, shapes the table kernels do not serve; cell layout only).
+  static Result<Footprint> footprint(const CacheConfig& config, const PoolShape& shape, Masks masks = Masks::if_needed) {
+    const bool reference = !table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv);
+    const bool built = masks == Masks::always || (masks == Masks::if_needed && reference);
+    return device_footprint<Host>(config, shape, sizeof(T), kCells && built);
+  }
+
+  // Reports (Errc::bad_device_row) and clears a fault device code set since the last report: a
+  // write_kv of this shard met a row outside the pool (docs/design.md section 5).
+  [[nodiscard]] Status take_device_fault() noexcept {
+    return (buffers_.take_fault() & kFaultBadRow) != 0 ? Status{Errc::bad_device_row} : Status{};
+  }
 
   // Uploads the host's placed step padded to `width` tokens (0: exactly T): runs the fork copies
   // (sequence layout), writes the pending position-table entries (cell layout), copies the step
   // block (tokens, segments, every window's work; row ranges for the sequence layout's reference
   // kernel) and builds the dense masks (cell layout, per `masks`). Refuses when no step is placed
-  // or width is outside [T, max_write].
+  // or width is outside [T, max_write], and with bad_device_row once after a device fault.
   Status upload(::cuda::stream_ref stream, std::int32_t width = 0, Masks masks = Masks::if_needed) {
     if (const Status s = check_upload(width); !s.ok()) return s;
+    if (const Status s = take_device_fault(); !s.ok()) return s;
     const StepPlan plan = host_.step();
     if (width == 0) width = plan.tokens;
     if (const Status s = last_.wait_on(stream); !s.ok()) return s;
@@ -143,7 +168,7 @@ class DeviceShard {
   // Writes the step's K and V rows of `layer`: k, v [width, H_kv, D].
   Status write(std::int32_t layer, const T* k, const T* v, std::int32_t tokens, ::cuda::stream_ref stream) const {
     if (const Status s = check_layer_call(layer, tokens); !s.ok()) return s;
-    return write_kv<T>(pool_.view(layer), k, v, bindings().cells, tokens, stream);
+    return write_kv<T>(pool_.view(layer), k, v, bindings().cells, tokens, bindings().fault, stream);
   }
 
   // Attention of `layer` through its window: q, out [width, H_q, D]; scale 0 = 1/sqrt(D).
@@ -171,22 +196,30 @@ class DeviceShard {
     return update_and_attend(layer, q, k, v, out, tokens, heads_q, scale, stream);
   }
 
-  // Ends the step: records its event. Later calls for this step are refused until the next declaration.
+  // Ends the step: records its event. Later calls for this step are refused until the next
+  // declaration. Refuses with bad_device_row once after a device fault (the step stays open).
   Status commit(::cuda::stream_ref stream) {
     if (!ready()) return Errc::no_step_declared;
+    if (const Status s = take_device_fault(); !s.ok()) return s;
     if (const Status s = last_.record(stream); !s.ok()) return s;
     committed_serial_ = uploaded_serial_;
     return {};
   }
 
  private:
+  // `config`, once this shard's footprint is known to fit the current device's free memory.
+  static const CacheConfig& config_that_fits(const CacheConfig& config, const PoolShape& shape) {
+    const Result<Footprint> f = footprint(config, shape);
+    if (!f.ok())
+      throw std::invalid_argument(std::string("cellkv::gpu::DeviceShard: ") + std::string(f.status().message()));
+    require_free_memory(f.value().total, "cellkv::gpu::DeviceShard");
+    return config;
+  }
+
   static StepBuffers make_buffers(const Host& host, const PoolShape& shape) {
-    const CacheConfig& c = host.config();
-    const std::int32_t group = shape.heads_q > 0 && shape.heads_kv > 0 ? std::max(1, shape.heads_q / shape.heads_kv) : 1;
-    StepBlockShape s{c.max_write, W::kDistinct, max_prefill_items(c.max_write, group), !kCells, 0};
+    const StepBlockShape s = step_block_shape<Host>(host.config(), shape).value();  // checked by footprint
     if constexpr (kCells) {
       const PositionTable& t = host.table();
-      s.max_table_writes = std::max(4 * c.max_write, 4096);
       return StepBuffers(s, static_cast<std::int64_t>(t.flat().size()), t.directory_entries(), t.dir_stride());
     } else {
       return StepBuffers(s, 0, 0, 0);

@@ -1,12 +1,16 @@
-// cellkv/cuda/error.hpp - CUDA status checks: the library's two check macros.
+// cellkv/cuda/error.hpp - CUDA status checks: the library's two check macros, and its exceptions.
 //
 //   CELLKV_CUDA_THROW(expr)   owners (constructors, explicit setup): throw cellkv::gpu::Error
-//   CELLKV_CUDA_STATUS(expr)  the hot path: return Errc::device_error from a Status function,
-//                             after printing the CUDA error name and the call site to stderr
+//   CELLKV_CUDA_STATUS(expr)  the hot path: return Errc::device_error from a Status function and
+//                             record the failure for last_cuda_failure() (this thread's last one)
+//
+// The library writes nothing to stderr unless built with CELLKV_DEBUG defined: then
+// CELLKV_CUDA_STATUS also prints the CUDA error and the call site (docs/design.md section 6).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
@@ -28,13 +32,49 @@ class Error : public std::runtime_error {
   cudaError_t code_;
 };
 
+// A device cache refused at construction, before allocating anything: its footprint
+// (footprint.hpp) is more than the device's free memory. The message names both numbers.
+class OutOfDeviceMemory : public std::runtime_error {
+ public:
+  OutOfDeviceMemory(const char* who, int device, std::size_t required, std::size_t available)
+      : std::runtime_error(std::string(who) + ": needs " + std::to_string(required) + " bytes of device memory on device " +
+                           std::to_string(device) + ", which has " + std::to_string(available) + " bytes free"),
+        device_(device),
+        required_(required),
+        available_(available) {}
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] std::size_t required() const noexcept { return required_; }
+  [[nodiscard]] std::size_t available() const noexcept { return available_; }
+
+ private:
+  int device_;
+  std::size_t required_, available_;
+};
+
+// A CUDA call that CELLKV_CUDA_STATUS turned into Errc::device_error.
+struct CudaFailure {
+  cudaError_t code = cudaSuccess;
+  const char* expr = "";  // the call, as written
+  const char* file = "";
+  int line = 0;
+};
+
 namespace detail {
+inline thread_local CudaFailure last_failure{};
+
 inline Status report(cudaError_t code, const char* expr, const char* file, int line) {
+  last_failure = CudaFailure{code, expr, file, line};
+#ifdef CELLKV_DEBUG
   std::fprintf(stderr, "cellkv: %s failed at %s:%d: %s (%s)\n", expr, file, line, cudaGetErrorName(code),
                cudaGetErrorString(code));
+#endif
   return Errc::device_error;
 }
 }  // namespace detail
+
+// The last CUDA failure this thread's Status-returning calls reported as Errc::device_error
+// (code cudaSuccess when there was none).
+[[nodiscard]] inline CudaFailure last_cuda_failure() noexcept { return detail::last_failure; }
 
 }  // namespace cellkv::gpu
 

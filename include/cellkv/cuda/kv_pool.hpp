@@ -23,12 +23,7 @@
 
 namespace cellkv::gpu {
 
-struct PoolShape {
-  std::int32_t layers = 0;
-  std::int32_t heads_kv = 0;
-  std::int32_t head_dim = 0;
-  std::int32_t heads_q = 0;  // query heads of the model; the fast attention path needs it (0: unknown)
-};
+using cellkv::PoolShape;  // pool_view.hpp
 
 template <Layout L, Element T>
 class KVPool {

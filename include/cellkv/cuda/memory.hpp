@@ -1,4 +1,5 @@
-// cellkv/cuda/memory.hpp - move-only owners of device memory and pinned host memory.
+// cellkv/cuda/memory.hpp - move-only owners of device memory and pinned host memory, and the
+// check that a device has the memory a cache is about to allocate.
 //
 // Allocated once (construction may throw cellkv::gpu::Error); freed in the destructor without
 // touching any stream. Hand out raw pointers and spans; never reallocate.
@@ -7,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <cstring>
 #include <span>
 #include <utility>
 
@@ -27,6 +29,14 @@ struct PinnedAlloc {
   static void* allocate(std::size_t bytes) {
     void* p = nullptr;
     CELLKV_CUDA_THROW(cudaMallocHost(&p, bytes));
+    return p;
+  }
+  static void release(void* p) noexcept { (void)cudaFreeHost(p); }
+};
+struct MappedAlloc {  // pinned, mapped into every device's address space
+  static void* allocate(std::size_t bytes) {
+    void* p = nullptr;
+    CELLKV_CUDA_THROW(cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable));
     return p;
   }
   static void release(void* p) noexcept { (void)cudaFreeHost(p); }
@@ -76,5 +86,46 @@ using DeviceBuffer = detail::Buffer<T, detail::DeviceAlloc>;
 // Page-locked host memory (cudaMallocHost), the source of asynchronous uploads.
 template <class T>
 using PinnedBuffer = detail::Buffer<T, detail::PinnedAlloc>;
+
+// Page-locked host memory mapped into the device address space: device code writes it through
+// device_data(), the host reads it through data() without a copy. Zero-initialised.
+template <class T>
+class MappedBuffer {
+ public:
+  explicit MappedBuffer(std::size_t count) : host_(count) {
+    if (count == 0) return;
+    std::memset(static_cast<void*>(host_.data()), 0, host_.bytes());
+    void* device = nullptr;
+    CELLKV_CUDA_THROW(cudaHostGetDevicePointer(&device, host_.data(), 0));
+    device_ = static_cast<T*>(device);
+  }
+  MappedBuffer(MappedBuffer&& other) noexcept
+      : host_(std::move(other.host_)), device_(std::exchange(other.device_, nullptr)) {}
+  MappedBuffer& operator=(MappedBuffer&& other) noexcept {
+    host_ = std::move(other.host_);
+    device_ = std::exchange(other.device_, nullptr);
+    return *this;
+  }
+
+  [[nodiscard]] T* data() const noexcept { return host_.data(); }
+  [[nodiscard]] T* device_data() const noexcept { return device_; }
+  [[nodiscard]] std::size_t size() const noexcept { return host_.size(); }
+
+ private:
+  detail::Buffer<T, detail::MappedAlloc> host_;
+  T* device_ = nullptr;
+};
+
+// Throws OutOfDeviceMemory, naming `who`, when the current device has fewer than `bytes` bytes
+// free (cudaMemGetInfo); cellkv::gpu::Error when the query fails. Allocates nothing.
+inline void require_free_memory(std::size_t bytes, const char* who) {
+  std::size_t free = 0, total = 0;
+  CELLKV_CUDA_THROW(cudaMemGetInfo(&free, &total));
+  if (bytes > free) {
+    int device = 0;
+    CELLKV_CUDA_THROW(cudaGetDevice(&device));
+    throw OutOfDeviceMemory(who, device, bytes, free);
+  }
+}
 
 }  // namespace cellkv::gpu

@@ -1,7 +1,7 @@
 // cellkv/cuda/sharded_cache.cuh - the cache of a tensor-parallel model: one host CellCache plans
-// every step once, and G DeviceShards, one per GPU, hold the KV heads of their slice
-// (cellkv/sharding.hpp: shard g holds KV heads [g H_kv / G, (g + 1) H_kv / G) and the query heads
-// that read them). Every shard receives the same step: the same rows, positions, segments, work,
+// every step once (its planning verbs from PlanningVerbs), and G DeviceShards, one per GPU, hold
+// the KV heads of their slice (cellkv/sharding.hpp: shard g holds KV heads
+// [g H_kv / G, (g + 1) H_kv / G) and the query heads that read them). Every shard receives the same step: the same rows, positions, segments, work,
 // position-table writes, masks or ranges, so no shard's bookkeeping can drift from another's.
 //
 // Step protocol, with stream g belonging to device g:
@@ -23,8 +23,11 @@
 #include <cuda/stream_ref>
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <span>
 #include <stdexcept>
@@ -33,12 +36,17 @@
 #include "cellkv/cell_cache.hpp"
 #include "cellkv/cuda/device_guard.hpp"
 #include "cellkv/cuda/device_shard.cuh"
+#include "cellkv/cuda/planning_verbs.hpp"
+#include "cellkv/footprint.hpp"
 #include "cellkv/sharding.hpp"
 
 namespace cellkv::gpu {
 
 template <Layout L, Element T, WindowSet W, Placement P = placement::lowest_free, std::int32_t MaxSeqs = 256>
-class ShardedCache {
+class ShardedCache : public PlanningVerbs<CellCache<L, W, P, MaxSeqs>, ShardedCache<L, T, W, P, MaxSeqs>> {
+  using Planning = PlanningVerbs<CellCache<L, W, P, MaxSeqs>, ShardedCache>;
+  friend Planning;
+
  public:
   using Shard = DeviceShard<L, T, W, P, MaxSeqs>;
   using Host = typename Shard::Host;
@@ -46,10 +54,12 @@ class ShardedCache {
   using Windows = W;
 
   // devices: the device of each shard (G = devices.size(); a device may repeat). model: the whole
-  // model's heads; shard g gets head_shard(H_q, H_kv, G, g). Throws std::invalid_argument on a bad
-  // config, no devices or heads that do not split evenly, cellkv::gpu::Error on a CUDA failure.
+  // model's heads; shard g gets head_shard(H_q, H_kv, G, g). Before allocating any shard, checks
+  // on every device the footprints of the shards it holds against its free memory. Throws
+  // std::invalid_argument on a bad config, no devices, heads that do not split evenly or sizes that
+  // overflow, OutOfDeviceMemory when a device lacks the memory, cellkv::gpu::Error on a CUDA failure.
   ShardedCache(const CacheConfig& config, PoolShape model, std::span<const int> devices)
-      : host_(config), model_(model), devices_(devices.begin(), devices.end()) {
+      : Planning(config), model_(model), devices_(devices.begin(), devices.end()) {
     if (devices_.empty()) throw std::invalid_argument("cellkv::gpu::ShardedCache: needs at least one device");
     for (std::int32_t g = 0; g < shards(); ++g) {
       const Result<HeadShard> heads = head_shard(model.heads_q, model.heads_kv, shards(), g);
@@ -57,9 +67,11 @@ class ShardedCache {
         throw std::invalid_argument(std::string("cellkv::gpu::ShardedCache: ") +
                                     std::string(heads.status().message()));
       heads_.push_back(heads.value());
+    }
+    require_memory_on_every_device();
+    for (std::int32_t g = 0; g < shards(); ++g) {
       const DeviceGuard on(devices_[static_cast<std::size_t>(g)]);
-      shards_.push_back(std::make_unique<Shard>(
-          host_, PoolShape{model.layers, heads.value().kv.count, model.head_dim, heads.value().q.count}));
+      shards_.push_back(std::make_unique<Shard>(this->host_, shard_shape(g)));
     }
   }
   ShardedCache(const ShardedCache&) = delete;
@@ -84,32 +96,19 @@ class ShardedCache {
   [[nodiscard]] Shard& shard(std::int32_t g) { return *shards_.at(static_cast<std::size_t>(g)); }
   [[nodiscard]] const Shard& shard(std::int32_t g) const { return *shards_.at(static_cast<std::size_t>(g)); }
 
-  // ---- planning (host, once for every shard) ----
-  [[nodiscard]] const Host& host() const noexcept { return host_; }
-  Result<StepPlan> declare_step(std::span<const std::int32_t> seq_ids) {
-    settle();
-    return host_.declare_step(seq_ids);
+  // The device bytes each shard of a cache of `model`'s heads split over `shards` devices allocates
+  // (shards split the heads evenly, so every shard has the same footprint; footprint.hpp).
+  // uneven_shards when the heads do not split.
+  static Result<Footprint> shard_footprint(const CacheConfig& config, const PoolShape& model, std::int32_t shards,
+                                           Masks masks = Masks::if_needed) {
+    const Result<HeadShard> heads = head_shard(model.heads_q, model.heads_kv, shards, 0);
+    if (!heads.ok()) return heads.status().code();
+    return Shard::footprint(config, PoolShape{model.layers, heads.value().kv.count, model.head_dim, heads.value().q.count},
+                            masks);
   }
-  Result<std::int32_t> seq_new() {
-    settle();
-    return host_.seq_new();
-  }
-  Result<std::int32_t> seq_clone(std::int32_t src, std::int32_t upto = -1) {
-    settle();
-    return host_.seq_clone(src, upto);
-  }
-  Status seq_rm(std::int32_t id) {
-    settle();
-    return host_.seq_rm(id);
-  }
-  Status rewind(std::int32_t id, std::int32_t pos) {
-    settle();
-    return host_.rewind(id, pos);
-  }
-  void clear() {
-    settle();
-    host_.clear();
-  }
+
+  // ---- planning (host, once for every shard): declare_step, seq_*, rewind, clear, host() from
+  // PlanningVerbs; each first acknowledges the changes every shard has uploaded ----
   // Picks the kernels of every shard (applies from the next upload).
   void use_kernels(KernelChoice choice) noexcept {
     for (auto& s : shards_) s->use_kernels(choice);
@@ -123,6 +122,7 @@ class ShardedCache {
                 Masks masks = Masks::if_needed) {
     if (static_cast<std::int32_t>(streams.size()) != shards()) return Errc::bad_shape;
     if (const Status s = shards_.front()->check_upload(width); !s.ok()) return s;
+    if (const Status s = take_device_faults(); !s.ok()) return s;
     for (std::int32_t g = 0; g < shards(); ++g)
       if (const Status s = upload_shard(g, streams[static_cast<std::size_t>(g)], width, masks); !s.ok()) return s;
     return {};
@@ -142,11 +142,13 @@ class ShardedCache {
   }
 
   // Ends the step on every shard (shard g's event on streams[g]). Refuses a stream count other
-  // than G (bad_shape) and a step not uploaded to every shard (no_step_declared), ending none.
+  // than G (bad_shape), a step not uploaded to every shard (no_step_declared) and, once, a device
+  // fault of any shard (bad_device_row), ending none.
   Status commit(std::span<const ::cuda::stream_ref> streams) {
     if (static_cast<std::int32_t>(streams.size()) != shards()) return Errc::bad_shape;
     for (const auto& s : shards_)
       if (s->width() == 0) return Errc::no_step_declared;
+    if (const Status s = take_device_faults(); !s.ok()) return s;
     for (std::int32_t g = 0; g < shards(); ++g) {
       try {
         const DeviceGuard on(devices_[static_cast<std::size_t>(g)]);
@@ -162,15 +164,47 @@ class ShardedCache {
 
  private:
   // Acknowledges the host's pending changes once every shard has uploaded the placed step.
-  void settle() {
-    if (!host_.step_placed() || acknowledged_ == host_.step_serial()) return;
+  void before_planning() {
+    Host& host = this->host_;
+    if (!host.step_placed() || acknowledged_ == host.step_serial()) return;
     for (const auto& s : shards_)
-      if (s->uploaded_serial() != host_.step_serial()) return;
-    host_.acknowledge_changes();
-    acknowledged_ = host_.step_serial();
+      if (s->uploaded_serial() != host.step_serial()) return;
+    host.acknowledge_changes();
+    acknowledged_ = host.step_serial();
   }
 
-  Host host_;
+  [[nodiscard]] PoolShape shard_shape(std::int32_t g) const {
+    const HeadShard& heads = heads_[static_cast<std::size_t>(g)];
+    return PoolShape{model_.layers, heads.kv.count, model_.head_dim, heads.q.count};
+  }
+
+  // Every device's free memory against the footprints of all its shards, before any allocation.
+  void require_memory_on_every_device() const {
+    std::map<int, std::size_t> bytes;  // device -> footprint of its shards
+    for (std::int32_t g = 0; g < shards(); ++g) {
+      const Result<Footprint> f = Shard::footprint(this->host_.config(), shard_shape(g));
+      if (!f.ok())
+        throw std::invalid_argument(std::string("cellkv::gpu::ShardedCache: ") + std::string(f.status().message()));
+      std::size_t& sum = bytes[devices_[static_cast<std::size_t>(g)]];
+      const std::optional<std::size_t> total = cellkv::detail::size_sum({sum, f.value().total});
+      if (!total)
+        throw std::invalid_argument(std::string("cellkv::gpu::ShardedCache: ") + std::string(describe(Errc::size_overflow)));
+      sum = *total;
+    }
+    for (const auto& [device, total] : bytes) {
+      const DeviceGuard on(device);
+      require_free_memory(total, "cellkv::gpu::ShardedCache");
+    }
+  }
+
+  // A fault of any shard (Errc::bad_device_row), each shard's report taken once; ok when none.
+  Status take_device_faults() {
+    Status first{};
+    for (const auto& s : shards_)
+      if (const Status f = s->take_device_fault(); !f.ok() && first.ok()) first = f;
+    return first;
+  }
+
   PoolShape model_;
   std::vector<int> devices_;
   std::vector<HeadShard> heads_;

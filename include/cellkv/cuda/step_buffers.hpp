@@ -1,12 +1,17 @@
 // cellkv/cuda/step_buffers.hpp - owners of the runtime-bound buffers (step_views.hpp lists them),
 // allocated once at fixed device addresses, and the pinned staging they are uploaded from.
 //
-// A step is uploaded in one host-to-device copy of the "step block": the per-token arrays, the
-// segments, every window's attention work, the sequence layout's row ranges, then the pending
-// position-table writes (cell layout). Staging is double-buffered: the next upload fills the other
-// slot while the previous copy may still be in flight.
+// A step is uploaded in one host-to-device copy of the "step block" (step_block.hpp): the
+// per-token arrays, the segments, every window's attention work, the sequence layout's row ranges,
+// then the pending position-table writes (cell layout). Staging is double-buffered: the next
+// upload fills the other slot while the previous copy may still be in flight.
+//
+// The fault word: one word of mapped pinned host memory that device code sets when it meets a bad
+// index (kFaultBadRow: write_kv met a row outside the pool). The host reads it without a copy or a
+// synchronisation; take_fault() reports and clears it (docs/design.md section 5).
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -16,52 +21,10 @@
 #include "cellkv/cuda/step_views.hpp"
 #include "cellkv/cuda/stream.hpp"
 #include "cellkv/position_table.hpp"
+#include "cellkv/step_block.hpp"
 #include "cellkv/step_plan.hpp"
 
 namespace cellkv::gpu {
-
-// Sizes of a step block, fixed at construction.
-struct StepBlockShape {
-  std::int32_t max_write = 0;
-  std::int32_t windows = 0;
-  std::int32_t max_prefill = 0;   // prefill items per window
-  bool ranges = false;            // sequence layout: per-window row ranges
-  std::int32_t max_table_writes = 0;  // position-table writes one upload carries (cell layout)
-};
-
-// Byte offsets of the step block's parts (identical on host staging and device).
-struct StepBlockLayout {
-  std::size_t cells = 0, read_len = 0, tokens = 0, num_segments = 0, token_seq = 0, token_pos = 0, segments = 0,
-              work = 0, work_bytes = 0, ranges = 0, table_writes = 0, bytes = 0;
-
-  explicit StepBlockLayout(const StepBlockShape& s) {
-    const auto w = static_cast<std::size_t>(s.max_write);
-    read_len = cells + 8 * w;
-    tokens = read_len + 8;
-    num_segments = tokens + 4;
-    token_seq = num_segments + 4;
-    token_pos = token_seq + 4 * w;
-    segments = align16(token_pos + 4 * w);
-    work = align16(segments + sizeof(Segment) * w);
-    // per window: counts [2], decode_seg [w], decode_prefix [w + 1], prefill items
-    work_bytes = align16(4 * (2 + w + w + 1) + sizeof(PrefillItem) * static_cast<std::size_t>(s.max_prefill));
-    ranges = work + work_bytes * static_cast<std::size_t>(s.windows);
-    table_writes = align16(ranges + (s.ranges ? sizeof(RowRange) * w * static_cast<std::size_t>(s.windows) : 0));
-    bytes = table_writes + sizeof(TableWrite) * static_cast<std::size_t>(s.max_table_writes);
-  }
-
-  // Window buffer b's work arrays inside a block at `base`.
-  [[nodiscard]] WindowWork work_at(std::byte* base, std::int32_t b, std::int32_t max_write) const {
-    std::byte* at = base + work + work_bytes * static_cast<std::size_t>(b);
-    auto* ints = reinterpret_cast<std::int32_t*>(at);
-    const auto w = static_cast<std::size_t>(max_write);
-    return WindowWork{ints, ints + 2, ints + 2 + w,
-                      reinterpret_cast<PrefillItem*>(at + align16(4 * (2 + w + w + 1)))};
-  }
-
- private:
-  static constexpr std::size_t align16(std::size_t n) { return (n + 15) / 16 * 16; }
-};
 
 // The device side of the step: the step block at a fixed address, the position table's device
 // copy (cell layout), and two pinned staging slots. Masks are owned by the shard (allocated on
@@ -90,6 +53,7 @@ class StepBuffers {
     b_.table = PositionTableView{table_.data(), table_.data() + dir_entries, dir_stride};
     b_.max_write = shape.max_write;
     b_.windows = shape.windows;
+    b_.fault = fault_.device_data();
     CELLKV_CUDA_THROW(cudaMemset(block_.data(), 0, block_.bytes()));
     if (table_.size() > 0) CELLKV_CUDA_THROW(cudaMemset(table_.data(), 0xff, table_.bytes()));  // every entry -1
     CELLKV_CUDA_THROW(cudaDeviceSynchronize());
@@ -121,6 +85,13 @@ class StepBuffers {
     next_ ^= 1;
     return slots_[next_ ^ 1];
   }
+  // The faults device code reported since the last call (kFault* bits), cleared. A fault set by
+  // work still running may show at a later call.
+  [[nodiscard]] std::uint32_t take_fault() noexcept {
+    std::atomic_ref<std::uint32_t> word(*fault_.data());
+    return word.load(std::memory_order_acquire) == 0 ? 0 : word.exchange(0, std::memory_order_acq_rel);
+  }
+
   // Blocks until every copy that read staging memory is done (destruction, tests).
   [[nodiscard]] Status wait_idle() const {
     for (const auto& s : slots_)
@@ -134,6 +105,7 @@ class StepBuffers {
   DeviceBuffer<std::byte> block_;
   DeviceBuffer<std::int32_t> table_;  // the position table's device copy (cell layout)
   Slot slots_[2];
+  MappedBuffer<std::uint32_t> fault_{1};  // the fault word
   int next_ = 0;
   StepBindings b_;
 };

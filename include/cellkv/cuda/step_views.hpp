@@ -12,6 +12,7 @@
 //   ranges     RowRange [windows][max_write] sequence layout: rows token t sees (reference kernel)
 //   table      the position table (cell layout; PositionTableView)
 //   masks      bool [windows][max_write][max_cells] mask_w{W} = masks + buffer * max_write * max_cells
+//   fault      uint32 [1], mapped host memory   kFault* bits set by device code (step_buffers.hpp)
 #pragma once
 
 #include <cstdint>
@@ -24,6 +25,9 @@
 namespace cellkv::gpu {
 
 inline constexpr std::int32_t kMaxWindows = 8;
+
+// Bits of the fault word.
+inline constexpr std::uint32_t kFaultBadRow = 1;  // write_kv met a row outside [0, rows]
 
 // The distinct windows of a window set, by buffer index, passed to kernels by value.
 struct WindowList {
@@ -43,6 +47,7 @@ struct StepBindings {
   PositionTableView table;      // cell layout
   std::int32_t* table_flat = nullptr;  // the table's flat array (directory, then pages)
   bool* masks = nullptr;        // cell layout; nullptr until a caller asks for masks
+  std::uint32_t* fault = nullptr;  // the fault word (device address of mapped host memory)
   std::int32_t max_write = 0;
   std::int64_t max_cells = 0;  // mask row stride; 0 for the sequence layout
   std::int32_t windows = 0;
@@ -51,12 +56,6 @@ struct StepBindings {
     return masks + static_cast<std::int64_t>(buffer) * max_write * max_cells;
   }
   CELLKV_HOST_DEVICE RowRange* ranges_of(std::int32_t buffer) const { return ranges + buffer * max_write; }
-};
-
-// One write of the position table's device copy: flat[index] = value.
-struct TableWrite {
-  std::int32_t index = 0;
-  std::int32_t value = 0;
 };
 
 }  // namespace cellkv::gpu

@@ -29,15 +29,21 @@ struct MaskVisibility {
   __device__ bool visible(std::int32_t t, std::int64_t row) const { return mask[t * row_stride + row]; }
 };
 
-// The sequence layout: token t sees rows [ranges[t].begin, ranges[t].end), bounded by kv_len.
+// The sequence layout: token t sees rows [ranges[t].begin, ranges[t].end), clamped to
+// [0, min(kv_len, rows)): the sweep never leaves the pool, whatever the device data says.
 struct RangeVisibility {
   const RowRange* ranges = nullptr;
   const std::int64_t* kv_len = nullptr;
+  std::int64_t rows = 0;  // rows of the pool: a bound the sweep never passes
 
-  __device__ std::int64_t begin(std::int32_t t) const { return ranges[t].begin; }
+  __device__ std::int64_t begin(std::int32_t t) const {
+    const std::int64_t b = ranges[t].begin;
+    return b > 0 ? b : 0;
+  }
   __device__ std::int64_t end(std::int32_t t) const {
     const std::int64_t e = ranges[t].end, n = *kv_len;
-    return e < n ? e : n;
+    const std::int64_t bound = n < rows ? n : rows;
+    return e < bound ? e : bound;
   }
   __device__ bool visible(std::int32_t, std::int64_t) const { return true; }
 };

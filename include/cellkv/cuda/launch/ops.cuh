@@ -1,7 +1,8 @@
 // cellkv/cuda/launch/ops.cuh - launchers: check arguments, then launch. A refusal launches and writes
 // nothing and names the problem; the stream is always the last parameter.
 //
-//   write_kv      pool[cells[t]] = k[t], v[t]                       (one launch for K and V)
+//   write_kv      pool[cells[t]] = k[t], v[t]                       (one launch for K and V; a row
+//                 outside the pool goes to the scratch row and sets the fault word)
 //   masked_sdpa   attention with an explicit bool mask [tokens, row_stride] and a device kv_len
 //   range_sdpa    attention over per-token row ranges (the sequence layout)
 //
@@ -53,33 +54,56 @@ Status check_attention(const AttentionArgs<T>& a) {
   return {};
 }
 
+// Blocks of the reference kernel along y: every KV head times the chunks of kRefHeads query heads
+// of its group, in int64 (a CUDA grid's y dimension holds at most 65535).
+inline std::int64_t reference_grid_y(std::int32_t heads_q, std::int32_t heads_kv) {
+  const std::int64_t group = heads_q / heads_kv;
+  return heads_kv * ((group + kernels::kRefHeads - 1) / kernels::kRefHeads);
+}
+inline constexpr std::int64_t kMaxGridY = 65535;
+
 template <class T, class Vis>
 Status launch_reference_attention(AttentionArgs<T> a, Vis vis, ::cuda::stream_ref stream) {
   if (a.scale == 0.f) a.scale = 1.f / std::sqrt(static_cast<float>(a.pool.head_dim));
-  const int group = a.heads_q / a.pool.heads_kv;
-  const int chunks = (group + kernels::kRefHeads - 1) / kernels::kRefHeads;
-  const dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(a.pool.heads_kv * chunks));
+  const std::int64_t blocks_y = reference_grid_y(a.heads_q, a.pool.heads_kv);
+  if (blocks_y > kMaxGridY) return Errc::bad_shape;
+  const dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(blocks_y));
   return dispatch_head_dim(a.pool.head_dim, [&](auto d) {
     kernels::reference_attention<T, decltype(d)::value, Vis><<<grid, kernels::kRefWarps * 32, 0, stream.get()>>>(a, vis);
     return last_launch();
   });
 }
 
+// Blocks of 256 threads write_kv launches for `tokens` rows of `row_bytes` bytes in K and in V:
+// one per 256 16-byte vectors, at most 4096 (the kernel is grid-stride). In int64 throughout.
+inline unsigned write_kv_blocks(std::int32_t tokens, std::int64_t row_bytes) {
+  const std::int64_t vectors = 2 * static_cast<std::int64_t>(tokens) * (row_bytes / 16);
+  return static_cast<unsigned>(std::clamp<std::int64_t>((vectors + 255) / 256, 1, 4096));
+}
+
 }  // namespace detail
 
 // pool.k[cells[t]] = k[t] and pool.v[cells[t]] = v[t] for t < tokens, in one launch. cells is a
-// device array; cells[t] may be pool.rows (the scratch row).
+// device array; cells[t] may be pool.rows (the scratch row). A cells[t] outside [0, pool.rows]
+// writes the scratch row instead and sets kFaultBadRow in *fault (a device-writable word; nullptr:
+// not reported).
 template <Element T>
 Status write_kv(PoolView<T> pool, const T* k, const T* v, const std::int64_t* cells, std::int32_t tokens,
-                ::cuda::stream_ref stream) {
+                std::uint32_t* fault, ::cuda::stream_ref stream) {
   if (tokens < 1) return Errc::bad_shape;
   if (const Status s = detail::check_pool(pool); !s.ok()) return s;
   if (k == nullptr || v == nullptr || cells == nullptr) return Errc::bad_argument;
   if (!detail::aligned16(k) || !detail::aligned16(v)) return Errc::misaligned_pointer;
-  const std::int64_t vectors = 2 * tokens * pool.row_elems() * static_cast<std::int64_t>(sizeof(T)) / 16;
-  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((vectors + 255) / 256, 4096));
-  kernels::write_kv<T><<<blocks, 256, 0, stream.get()>>>(pool, k, v, cells, tokens);
+  const unsigned blocks = detail::write_kv_blocks(tokens, pool.row_elems() * static_cast<std::int64_t>(sizeof(T)));
+  kernels::write_kv<T><<<blocks, 256, 0, stream.get()>>>(pool, k, v, cells, tokens, fault);
   return detail::last_launch();
+}
+
+// write_kv without a fault word: a row outside the pool still goes to the scratch row, unreported.
+template <Element T>
+Status write_kv(PoolView<T> pool, const T* k, const T* v, const std::int64_t* cells, std::int32_t tokens,
+                ::cuda::stream_ref stream) {
+  return write_kv<T>(pool, k, v, cells, tokens, nullptr, stream);
 }
 
 // The mask contract (docs/design.md section 6): token t sees row c iff mask[t * mask_row_stride + c], for c below
@@ -94,13 +118,14 @@ Status masked_sdpa(const AttentionArgs<T>& args, const bool* mask, std::int64_t 
                                             stream);
 }
 
-// Attention over per-token row ranges: token t sees rows [ranges[t].begin, min(ranges[t].end, *kv_len)).
+// Attention over per-token row ranges: token t sees rows [max(ranges[t].begin, 0),
+// min(ranges[t].end, *kv_len, pool.rows)) (ranges and kv_len are device data, clamped on the device).
 template <Element T>
 Status range_sdpa(const AttentionArgs<T>& args, const RowRange* ranges, const std::int64_t* kv_len,
                   ::cuda::stream_ref stream) {
   if (const Status s = detail::check_attention(args); !s.ok()) return s;
   if (ranges == nullptr || kv_len == nullptr) return Errc::bad_argument;
-  return detail::launch_reference_attention(args, kernels::RangeVisibility{ranges, kv_len}, stream);
+  return detail::launch_reference_attention(args, kernels::RangeVisibility{ranges, kv_len, args.pool.rows}, stream);
 }
 
 // masked_sdpa for a dtype known at run time (pointers to elements of that dtype).

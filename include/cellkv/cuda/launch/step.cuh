@@ -12,6 +12,7 @@
 #include "cellkv/cuda/error.hpp"
 #include "cellkv/cuda/kernels/step_kernels.cuh"
 #include "cellkv/cuda/step_views.hpp"
+#include "cellkv/step_block.hpp"
 
 namespace cellkv::gpu {
 

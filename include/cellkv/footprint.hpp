@@ -1,0 +1,100 @@
+// cellkv/footprint.hpp - the device memory a device cache of one configuration allocates on each
+// device it spans (one shard), known before anything is allocated (docs/design.md section 5).
+//
+//   kv_pools        2 x layers x (rows + 1) x H_kv x D x element bytes   K and V of every layer,
+//                   rows = max_cells (cell layout) or max_seqs x max_len (sequence layout), + scratch row
+//   step_block      StepBlockLayout(step_block_shape(...)).bytes          (step_block.hpp)
+//   position_table  4 x PositionTable::flat_size(max_seqs, max_cells)    cell layout
+//   masks           windows x max_write x max_cells (bool)                cell layout, when built
+//
+// Not counted: the table kernels' scratch (partial softmax results of the decode kernel, sized
+// from the device's SM count: 2 x SMs x resident decode blocks x warps x 16 x (D + 1) floats,
+// about 17 MB per device on an H200), and host memory (the pinned staging of two step blocks).
+// Every size is computed in size_t; a configuration whose sizes overflow is refused.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <optional>
+#include <type_traits>
+
+#include "cellkv/layout.hpp"
+#include "cellkv/pool_view.hpp"
+#include "cellkv/position_table.hpp"
+#include "cellkv/status.hpp"
+#include "cellkv/step_block.hpp"
+#include "cellkv/step_plan.hpp"
+
+namespace cellkv {
+
+// Device bytes of one shard of a device cache, by part.
+struct Footprint {
+  std::size_t kv_pools = 0;
+  std::size_t step_block = 0;
+  std::size_t position_table = 0;
+  std::size_t masks = 0;
+  std::size_t total = 0;  // the sum of the parts
+  friend bool operator==(const Footprint&, const Footprint&) = default;
+};
+
+namespace detail {
+// The product of the factors, or nothing when it overflows size_t.
+inline std::optional<std::size_t> size_product(std::initializer_list<std::size_t> factors) noexcept {
+  std::size_t p = 1;
+  for (const std::size_t f : factors) {
+    if (f != 0 && p > std::numeric_limits<std::size_t>::max() / f) return std::nullopt;
+    p *= f;
+  }
+  return p;
+}
+// The sum of the terms, or nothing when it overflows size_t.
+inline std::optional<std::size_t> size_sum(std::initializer_list<std::size_t> terms) noexcept {
+  std::size_t s = 0;
+  for (const std::size_t t : terms) {
+    if (t > std::numeric_limits<std::size_t>::max() - s) return std::nullopt;
+    s += t;
+  }
+  return s;
+}
+}  // namespace detail
+
+// The device bytes a shard of `shape` (its own heads) of a device cache planned by `Host` (a
+// CellCache) allocates for `config`, with elements of `element_bytes` bytes; `masks`: count the
+// dense masks (cell layout; the device cache builds them on request or for the reference kernel).
+// Refuses what Host::validate refuses, a non-positive layer, head or head-dim count (bad_shape),
+// element_bytes 0 (bad_argument), and sizes that overflow (size_overflow).
+template <class Host>
+Result<Footprint> device_footprint(const CacheConfig& config, const PoolShape& shape, std::size_t element_bytes,
+                                   bool masks) {
+  constexpr bool kCells = std::is_same_v<typename Host::Layout, layout::cell>;
+  if (const Status s = Host::validate(config); !s.ok()) return s.code();
+  if (shape.layers < 1 || shape.heads_kv < 1 || shape.head_dim < 1 || shape.heads_q < 0) return Errc::bad_shape;
+  if (element_bytes == 0) return Errc::bad_argument;
+  const Result<StepBlockShape> block = step_block_shape<Host>(config, shape);
+  if (!block.ok()) return block.status().code();
+
+  const std::int32_t seqs = config.max_seqs == 0 ? Host::kMaxSeqs : config.max_seqs;
+  const auto rows = kCells ? static_cast<std::size_t>(config.max_cells)
+                           : static_cast<std::size_t>(seqs) * static_cast<std::size_t>(config.max_len);
+  const auto size = [](std::int64_t n) { return static_cast<std::size_t>(n); };
+  const std::optional<std::size_t> kv =
+      detail::size_product({2, size(shape.layers), rows + 1, size(shape.heads_kv), size(shape.head_dim), element_bytes});
+  const std::optional<std::size_t> table =
+      kCells ? detail::size_product({sizeof(std::int32_t), size(PositionTable::flat_size(seqs, config.max_cells))})
+             : std::optional<std::size_t>{0};
+  const std::optional<std::size_t> mask_bytes =
+      kCells && masks
+          ? detail::size_product({size(Host::Windows::kDistinct), size(config.max_write), size(config.max_cells)})
+          : std::optional<std::size_t>{0};
+  if (!kv || !table || !mask_bytes) return Errc::size_overflow;
+
+  Footprint f{*kv, StepBlockLayout(block.value()).bytes, *table, *mask_bytes, 0};
+  const std::optional<std::size_t> total = detail::size_sum({f.kv_pools, f.step_block, f.position_table, f.masks});
+  if (!total) return Errc::size_overflow;
+  f.total = *total;
+  return f;
+}
+
+}  // namespace cellkv

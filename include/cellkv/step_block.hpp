@@ -1,0 +1,98 @@
+// cellkv/step_block.hpp - the step block: what one upload copies to a device in one host-to-device
+// copy, at offsets fixed for the cache's life (the same in host staging and in device memory).
+//
+//   cells         int64 [max_write]             row written by token t (the scratch row for padding)
+//   read_len      int64 [1]
+//   tokens        int32 [1], num_segments int32 [1]
+//   token_seq     int32 [max_write], token_pos int32 [max_write]
+//   segments      Segment [max_write]                                   (16-byte aligned)
+//   work          per window buffer: counts int32 [2], decode_seg int32 [max_write],
+//                 decode_prefix int32 [max_write + 1], prefill PrefillItem [max_prefill]
+//   ranges        RowRange [windows][max_write]   sequence layout only (reference kernel)
+//   table writes  TableWrite [max_table_writes]   cell layout only; only the used ones are copied
+//
+// cuda/step_views.hpp names the device address of every part; docs/design.md section 5.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "cellkv/attention_plan.hpp"
+#include "cellkv/layout.hpp"
+#include "cellkv/pool_view.hpp"
+#include "cellkv/status.hpp"
+#include "cellkv/step_plan.hpp"
+
+namespace cellkv {
+
+// One write of the position table's device copy: flat[index] = value.
+struct TableWrite {
+  std::int32_t index = 0;
+  std::int32_t value = 0;
+};
+
+// Sizes of a step block, fixed at construction.
+struct StepBlockShape {
+  std::int32_t max_write = 0;
+  std::int32_t windows = 0;
+  std::int32_t max_prefill = 0;       // prefill items per window
+  bool ranges = false;                // sequence layout: per-window row ranges
+  std::int32_t max_table_writes = 0;  // position-table writes one upload carries (cell layout)
+};
+
+// Byte offsets of the step block's parts (identical on host staging and device).
+struct StepBlockLayout {
+  std::size_t cells = 0, read_len = 0, tokens = 0, num_segments = 0, token_seq = 0, token_pos = 0, segments = 0,
+              work = 0, work_bytes = 0, ranges = 0, table_writes = 0, bytes = 0;
+
+  explicit StepBlockLayout(const StepBlockShape& s) {
+    const auto w = static_cast<std::size_t>(s.max_write);
+    read_len = cells + 8 * w;
+    tokens = read_len + 8;
+    num_segments = tokens + 4;
+    token_seq = num_segments + 4;
+    token_pos = token_seq + 4 * w;
+    segments = align16(token_pos + 4 * w);
+    work = align16(segments + sizeof(Segment) * w);
+    // per window: counts [2], decode_seg [w], decode_prefix [w + 1], then from a 16-byte boundary
+    // (work_at) the prefill items
+    work_bytes = align16(align16(4 * (2 + w + w + 1)) + sizeof(PrefillItem) * static_cast<std::size_t>(s.max_prefill));
+    ranges = work + work_bytes * static_cast<std::size_t>(s.windows);
+    table_writes = align16(ranges + (s.ranges ? sizeof(RowRange) * w * static_cast<std::size_t>(s.windows) : 0));
+    bytes = table_writes + sizeof(TableWrite) * static_cast<std::size_t>(s.max_table_writes);
+  }
+
+  // Window buffer b's work arrays inside a block at `base`.
+  [[nodiscard]] WindowWork work_at(std::byte* base, std::int32_t b, std::int32_t max_write) const {
+    std::byte* at = base + work + work_bytes * static_cast<std::size_t>(b);
+    auto* ints = reinterpret_cast<std::int32_t*>(at);
+    const auto w = static_cast<std::size_t>(max_write);
+    return WindowWork{ints, ints + 2, ints + 2 + w,
+                      reinterpret_cast<PrefillItem*>(at + align16(4 * (2 + w + w + 1)))};
+  }
+
+ private:
+  static constexpr std::size_t align16(std::size_t n) { return (n + 15) / 16 * 16; }
+};
+
+// The step block of a device cache planned by a `Host` (a CellCache) for a shard of `shape`:
+// max_write tokens, one work area per distinct window, the prefill items of the shard's GQA group,
+// row ranges (sequence layout) or room for max(4 max_write, 4096) table writes (cell layout).
+// Refuses max_write < 1 (bad_argument) and counts past int32 (size_overflow).
+template <class Host>
+Result<StepBlockShape> step_block_shape(const CacheConfig& config, const PoolShape& shape) {
+  constexpr bool kCells = std::is_same_v<typename Host::Layout, layout::cell>;
+  constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+  if (config.max_write < 1) return Errc::bad_argument;
+  const std::int32_t group = shape.heads_q > 0 && shape.heads_kv > 0 ? std::max(1, shape.heads_q / shape.heads_kv) : 1;
+  const std::int64_t prefill = max_prefill_items(config.max_write, group);
+  const std::int64_t table_writes = kCells ? std::max<std::int64_t>(4 * std::int64_t{config.max_write}, 4096) : 0;
+  if (prefill > kInt32Max || table_writes > kInt32Max) return Errc::size_overflow;
+  return StepBlockShape{config.max_write, Host::Windows::kDistinct, static_cast<std::int32_t>(prefill), !kCells,
+                        static_cast<std::int32_t>(table_writes)};
+}
+
+}  // namespace cellkv

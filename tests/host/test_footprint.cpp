@@ -1,0 +1,150 @@
+// device_footprint (footprint.hpp) against the sizes written out here from the documented layout
+// of a shard's device memory (docs/design.md section 5): K and V of every layer with one scratch
+// row, the step block part by part (its offsets as step_block.hpp lists them, with the element
+// sizes written as numbers), the position table's directory and pages, and the dense masks. Also
+// one configuration worked out by hand, and one test per refusal.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "cellkv/cell_cache.hpp"
+#include "cellkv/footprint.hpp"
+#include "support.hpp"
+
+namespace {
+
+using namespace cellkv;
+
+constexpr std::uint64_t align16(std::uint64_t n) { return (n + 15) / 16 * 16; }
+
+struct Expected {
+  std::uint64_t kv, block, table, masks;
+  [[nodiscard]] std::uint64_t total() const { return kv + block + table + masks; }
+};
+
+// The footprint from first principles. cell: the cell layout (else the sequence layout); windows:
+// distinct windows; seqs: max_seqs after defaulting.
+Expected expected(bool cell, std::int32_t windows, std::int32_t seqs, const CacheConfig& c, const PoolShape& s,
+                  std::uint64_t element_bytes, bool masks) {
+  const std::uint64_t w = static_cast<std::uint64_t>(c.max_write);
+  const std::uint64_t rows = cell ? static_cast<std::uint64_t>(c.max_cells)
+                                  : static_cast<std::uint64_t>(seqs) * static_cast<std::uint64_t>(c.max_len);
+  const std::uint64_t kv = 2 * static_cast<std::uint64_t>(s.layers) * (rows + 1) * static_cast<std::uint64_t>(s.heads_kv) *
+                           static_cast<std::uint64_t>(s.head_dim) * element_bytes;
+  // Step block: cells int64[w], read_len int64, tokens int32, num_segments int32, token_seq and
+  // token_pos int32[w]; segments (4 int32 each) from a 16-byte boundary; per window, 16-byte
+  // aligned: counts int32[2], decode_seg int32[w], decode_prefix int32[w + 1], then from a 16-byte
+  // boundary the prefill items (2 int32 each); row ranges (2 int32) per window and token for the
+  // sequence layout; from a 16-byte boundary, table writes (2 int32) for the cell layout.
+  const std::uint64_t group = s.heads_q > 0 ? std::max<std::uint64_t>(1, static_cast<std::uint64_t>(s.heads_q / s.heads_kv)) : 1;
+  const std::uint64_t prefill = w * group / 64 + w;
+  const std::uint64_t segments_end = align16(8 * w + 8 + 4 + 4 + 4 * w + 4 * w) + 16 * w;
+  const std::uint64_t work_each = align16(align16(4 * (2 + w + w + 1)) + 8 * prefill);
+  const std::uint64_t ranges_end = align16(segments_end) + work_each * static_cast<std::uint64_t>(windows) +
+                                   (cell ? 0 : 8 * w * static_cast<std::uint64_t>(windows));
+  const std::uint64_t table_writes = cell ? std::max<std::uint64_t>(4 * w, 4096) : 0;
+  const std::uint64_t block = align16(ranges_end) + 8 * table_writes;
+  // Position table: a directory of ceil(max_cells / 64) page ids per sequence, then
+  // ceil(max_cells / 64) + 2 max_seqs pages of 64 cell ids, all int32.
+  const std::uint64_t pages = (static_cast<std::uint64_t>(c.max_cells) + 63) / 64;
+  const std::uint64_t table = cell ? 4 * (static_cast<std::uint64_t>(seqs) * pages + (pages + 2 * static_cast<std::uint64_t>(seqs)) * 64) : 0;
+  const std::uint64_t mask_bytes = cell && masks ? static_cast<std::uint64_t>(windows) * w * static_cast<std::uint64_t>(c.max_cells) : 0;
+  return {kv, block, table, mask_bytes};
+}
+
+template <class Host>
+void check_against_formula(const CacheConfig& c, const PoolShape& s, std::uint64_t element_bytes, bool masks) {
+  constexpr bool kCell = std::is_same_v<typename Host::Layout, layout::cell>;
+  const std::int32_t seqs = c.max_seqs == 0 ? Host::kMaxSeqs : c.max_seqs;
+  const Expected want = expected(kCell, Host::Windows::kDistinct, seqs, c, s, element_bytes, masks);
+  const Result<Footprint> got = device_footprint<Host>(c, s, element_bytes, masks);
+  REQUIRE(got.ok());
+  CHECK(got.value().kv_pools == want.kv);
+  CHECK(got.value().step_block == want.block);
+  CHECK(got.value().position_table == want.table);
+  CHECK(got.value().masks == want.masks);
+  CHECK(got.value().total == want.total());
+}
+
+using CellHost = CellCache<layout::cell, Windows<0, 4, 0>, placement::lowest_free, 8>;
+using SeqHost = CellCache<layout::sequence, Windows<0, 16, 0, 16, 5>, placement::lowest_free, 8>;
+
+constexpr PoolShape kShape{.layers = 3, .heads_kv = 2, .head_dim = 64, .heads_q = 8};
+
+}  // namespace
+
+TEST_CASE("footprint: one cell-layout configuration worked out by hand") {
+  // max_write 7, 2 distinct windows, group 4: prefill items 7 * 4 / 64 + 7 = 7.
+  // Step block: 16 * 7 + 16 = 128 bytes of token data, segments to 240, each window's work
+  // 68 bytes of counts and decode lists padded to 80, then 56 of prefill items, padded to 144, to
+  // 528, then 4096 table writes of 8 bytes: 33296.
+  // KV: 2 x 3 layers x 101 rows x 2 heads x 64 x 2 bytes = 155136. Table: 8 x 2 directory
+  // entries + (2 + 16) pages x 64 = 1168 ints = 4672 bytes. Masks: 2 x 7 x 100 = 1400.
+  const CacheConfig c{.max_write = 7, .max_cells = 100};
+  const Result<Footprint> f = device_footprint<CellHost>(c, kShape, 2, true);
+  REQUIRE(f.ok());
+  CHECK(f.value() == Footprint{155136, 33296, 4672, 1400, 155136 + 33296 + 4672 + 1400});
+  CHECK(device_footprint<CellHost>(c, kShape, 2, false).value().total == 155136 + 33296 + 4672);
+}
+
+TEST_CASE("footprint: both layouts, masks, defaulted max_seqs, GQA groups and element sizes against the formula") {
+  for (const bool masks : {false, true}) {
+    for (const std::uint64_t bytes : {2u, 4u}) {
+      check_against_formula<CellHost>({.max_write = 7, .max_cells = 100}, kShape, bytes, masks);
+      check_against_formula<CellHost>({.max_write = 1, .max_cells = 1, .max_seqs = 3}, kShape, bytes, masks);
+      check_against_formula<CellHost>({.max_write = 3000, .max_cells = 65537, .max_seqs = 0},
+                                      {.layers = 2, .heads_kv = 1, .head_dim = 256, .heads_q = 64}, bytes, masks);
+      check_against_formula<CellHost>({.max_write = 17, .max_cells = 640}, {.layers = 1, .heads_kv = 4, .head_dim = 128},
+                                      bytes, masks);  // heads_q unknown: group 1
+      check_against_formula<SeqHost>({.max_write = 5, .max_seqs = 3, .max_len = 33}, kShape, bytes, masks);
+      check_against_formula<SeqHost>({.max_write = 129, .max_len = 1000},
+                                     {.layers = 5, .heads_kv = 8, .head_dim = 128, .heads_q = 32}, bytes, masks);
+    }
+  }
+}
+
+TEST_CASE("footprint refuses a configuration the host cache refuses") {
+  CHECK(device_footprint<CellHost>({.max_write = 0, .max_cells = 100}, kShape, 2, false).status() == Errc::bad_argument);
+  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 100, .max_seqs = 9}, kShape, 2, false).status() ==
+        Errc::bad_argument);  // more than MaxSeqs = 8
+  CHECK(device_footprint<SeqHost>({.max_write = 4, .max_len = 0}, kShape, 2, false).status() == Errc::bad_argument);
+}
+
+TEST_CASE("footprint refuses a non-positive layer, head or head-dim count") {
+  const CacheConfig c{.max_write = 4, .max_cells = 64};
+  for (const PoolShape bad : {PoolShape{0, 2, 64, 8}, PoolShape{3, 0, 64, 8}, PoolShape{3, 2, 0, 8}, PoolShape{3, 2, 64, -1},
+                              PoolShape{-3, 2, 64, 8}, PoolShape{3, std::numeric_limits<std::int32_t>::min(), 64, 8}}) {
+    CAPTURE(bad.layers);
+    CAPTURE(bad.heads_kv);
+    CAPTURE(bad.head_dim);
+    CAPTURE(bad.heads_q);
+    CHECK(device_footprint<CellHost>(c, bad, 2, false).status() == Errc::bad_shape);
+  }
+}
+
+TEST_CASE("footprint refuses an element size of 0") {
+  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 64}, kShape, 0, false).status() == Errc::bad_argument);
+}
+
+TEST_CASE("footprint refuses pools whose byte size overflows size_t") {
+  constexpr std::int32_t kMax = std::numeric_limits<std::int32_t>::max();
+  // 2 x 4 layers x 4097 rows x (2^31 - 1)^2 x 2 bytes > 2^64.
+  const PoolShape huge{.layers = 4, .heads_kv = kMax, .head_dim = kMax, .heads_q = kMax};
+  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 4096}, huge, 2, false).status() == Errc::size_overflow);
+  CHECK(device_footprint<SeqHost>({.max_write = 4, .max_len = 4096}, huge, 2, false).status() == Errc::size_overflow);
+  // The same pools with an element size near 2^64.
+  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 4096}, kShape, std::numeric_limits<std::size_t>::max() / 2,
+                                   false)
+            .status() == Errc::size_overflow);
+}
+
+TEST_CASE("footprint refuses a step block whose prefill items pass int32") {
+  // max_write 2^20 tokens of group 2^17: 2^37 / 64 + 2^20 prefill items per window > 2^31 - 1.
+  const PoolShape wide_group{.layers = 3, .heads_kv = 1, .head_dim = 64, .heads_q = 1 << 17};
+  CHECK(device_footprint<CellHost>({.max_write = 1 << 20, .max_cells = 1 << 20}, wide_group, 2, false).status() ==
+        Errc::size_overflow);
+  CHECK(step_block_shape<CellHost>({.max_write = 1 << 20, .max_cells = 1 << 20}, wide_group).status() ==
+        Errc::size_overflow);
+}
