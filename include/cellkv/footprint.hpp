@@ -8,8 +8,9 @@
 //   masks           windows x max_write x max_cells (bool)                cell layout, when built
 //
 // Not counted: the table kernels' scratch (partial softmax results of the decode kernel, sized
-// from the device's SM count: 2 x SMs x resident decode blocks x warps x 16 x (D + 1) floats,
-// about 17 MB per device on an H200), and host memory (the pinned staging of two step blocks).
+// from the device: 2 x SMs x resident decode blocks per SM x warps x 16 x (D + 1) floats, about
+// 17 MB per resident block per SM on an H200 for D = 128 or 256), and host memory (the pinned
+// staging of two step blocks, the fault word).
 // Every size is computed in size_t; a configuration whose sizes overflow is refused.
 #pragma once
 

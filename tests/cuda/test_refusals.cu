@@ -106,7 +106,7 @@ TEST_CASE("masked_sdpa refuses more query-head blocks than a grid holds, in int6
 
 TEST_CASE("write_kv's grid is computed in int64: 2^30 + 1 tokens still get the full grid") {
   CHECK(gpu::detail::write_kv_blocks(1, 128) == 1u);
-  CHECK(gpu::detail::write_kv_blocks(64, 128) == 8u);  // 2 x 64 x 8 vectors / 256
+  CHECK(gpu::detail::write_kv_blocks(64, 128) == 4u);  // 2 tensors x 64 tokens x 8 vectors / 256
   CHECK(gpu::detail::write_kv_blocks((1 << 30) + 1, 128) == 4096u);
   CHECK(gpu::detail::write_kv_blocks(std::numeric_limits<std::int32_t>::max(), 1024) == 4096u);
 }

@@ -17,6 +17,8 @@
 // g's thread, concurrently for different g; the planning verbs (declare_step, seq_*, rewind,
 // clear) stay on one thread, between steps. Every shard must upload every declared step: the host's
 // pending changes are acknowledged once all shards have uploaded them (at the next planning verb).
+// A device fault of shard g (docs/design.md section 5) is reported by upload(streams) or
+// commit(streams) before any shard is touched, or by shard g's own upload_shard or commit.
 // Several shards may share one device (tests run G = 2 on one GPU this way).
 #pragma once
 
