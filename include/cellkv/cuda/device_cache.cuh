@@ -60,6 +60,7 @@ class DeviceCache {
   [[nodiscard]] bool fast() const noexcept { return shard_.fast(); }
   // Picks the kernels of later uploads and forwards (applies from the next upload).
   void use_kernels(KernelChoice choice) noexcept { shard_.use_kernels(choice); }
+  void share_prefixes(bool on) noexcept { shard_.share_prefixes(on); }
 
   // Uploads the placed step padded to `width` tokens (0: exactly T); see DeviceShard::upload.
   // Refuses when no step is placed or width is outside [T, max_write].

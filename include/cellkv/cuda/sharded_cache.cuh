@@ -111,6 +111,9 @@ class ShardedCache {
     host_.clear();
   }
   // Picks the kernels of every shard (applies from the next upload).
+  void share_prefixes(bool on) noexcept {
+    for (auto& s : shards_) s->share_prefixes(on);
+  }
   void use_kernels(KernelChoice choice) noexcept {
     for (auto& s : shards_) s->use_kernels(choice);
   }

@@ -2,8 +2,8 @@
 // allocated once at fixed device addresses, and the pinned staging they are uploaded from.
 //
 // A step is uploaded in one host-to-device copy of the "step block": the per-token arrays, the
-// segments, every window's attention work, the sequence layout's row ranges, then the pending
-// position-table writes (cell layout). Staging is double-buffered: the next upload fills the other
+// segments, every window's attention work, the sequence layout's row ranges, the step's shared
+// prefixes (cell layout), then the pending position-table writes (cell layout). Staging is double-buffered: the next upload fills the other
 // slot while the previous copy may still be in flight.
 #pragma once
 
@@ -16,6 +16,7 @@
 #include "cellkv/cuda/step_views.hpp"
 #include "cellkv/cuda/stream.hpp"
 #include "cellkv/position_table.hpp"
+#include "cellkv/prefix_sharing.hpp"
 #include "cellkv/step_plan.hpp"
 
 namespace cellkv::gpu {
@@ -27,12 +28,17 @@ struct StepBlockShape {
   std::int32_t max_prefill = 0;   // prefill items per window
   bool ranges = false;            // sequence layout: per-window row ranges
   std::int32_t max_table_writes = 0;  // position-table writes one upload carries (cell layout)
+  std::int32_t max_runs = 0;      // shared-prefix runs per step (cell layout; 0: no sharing)
+  std::int32_t shared_slots = 0;  // shared-prefix partial slots (and run tokens, items) per step
 };
 
 // Byte offsets of the step block's parts (identical on host staging and device).
 struct StepBlockLayout {
   std::size_t cells = 0, read_len = 0, tokens = 0, num_segments = 0, token_seq = 0, token_pos = 0, segments = 0,
-              work = 0, work_bytes = 0, ranges = 0, table_writes = 0, bytes = 0;
+              work = 0, work_bytes = 0, ranges = 0, shared = 0, table_writes = 0, bytes = 0;
+  // Inside the shared part: counts [2], own_begin [max_write], token_slots [max_write], runs
+  // [max_runs], run_tokens [slots], run_slot [slots], run_extra [slots], items [slots].
+  std::size_t own_begin = 0, token_slots = 0, runs = 0, run_tokens = 0, run_slot = 0, run_extra = 0, items = 0;
 
   explicit StepBlockLayout(const StepBlockShape& s) {
     const auto w = static_cast<std::size_t>(s.max_write);
@@ -46,8 +52,28 @@ struct StepBlockLayout {
     // per window: counts [2], decode_seg [w], decode_prefix [w + 1], prefill items
     work_bytes = align16(4 * (2 + w + w + 1) + sizeof(PrefillItem) * static_cast<std::size_t>(s.max_prefill));
     ranges = work + work_bytes * static_cast<std::size_t>(s.windows);
-    table_writes = align16(ranges + (s.ranges ? sizeof(RowRange) * w * static_cast<std::size_t>(s.windows) : 0));
+    shared = align16(ranges + (s.ranges ? sizeof(RowRange) * w * static_cast<std::size_t>(s.windows) : 0));
+    const auto slots = static_cast<std::size_t>(s.shared_slots);
+    own_begin = shared + 16;
+    token_slots = align16(own_begin + 4 * w);
+    runs = align16(token_slots + sizeof(SlotRange) * w);
+    run_tokens = align16(runs + sizeof(SharedRun) * static_cast<std::size_t>(s.max_runs));
+    run_slot = run_tokens + 4 * slots;
+    run_extra = run_slot + 4 * slots;
+    items = align16(run_extra + 4 * slots);
+    const std::size_t shared_end = items + sizeof(SharedItem) * slots;
+    table_writes = align16(s.shared_slots > 0 ? shared_end : shared);
     bytes = table_writes + sizeof(TableWrite) * static_cast<std::size_t>(s.max_table_writes);
+  }
+
+  // The shared-prefix arrays inside a block at `base` (all null without sharing).
+  [[nodiscard]] SharedWork shared_at(std::byte* base, const StepBlockShape& s) const {
+    if (s.shared_slots == 0) return {};
+    auto ints = [&](std::size_t at) { return reinterpret_cast<std::int32_t*>(base + at); };
+    return SharedWork{ints(shared),    reinterpret_cast<SharedRun*>(base + runs),
+                      ints(run_tokens), ints(run_slot),
+                      ints(run_extra),  reinterpret_cast<SharedItem*>(base + items),
+                      ints(own_begin),  reinterpret_cast<SlotRange*>(base + token_slots)};
   }
 
   // Window buffer b's work arrays inside a block at `base`.
@@ -86,6 +112,7 @@ class StepBuffers {
     b_.segments = reinterpret_cast<Segment*>(base + layout_.segments);
     for (std::int32_t w = 0; w < shape.windows; ++w) b_.work[w] = layout_.work_at(base, w, shape.max_write);
     b_.ranges = shape.ranges ? reinterpret_cast<RowRange*>(base + layout_.ranges) : nullptr;
+    b_.shared = layout_.shared_at(base, shape);
     b_.table_flat = table_.data();
     b_.table = PositionTableView{table_.data(), table_.data() + dir_entries, dir_stride};
     b_.max_write = shape.max_write;

@@ -4,9 +4,12 @@
 //
 // Per layer, on the caller's stream (capturable: grids depend on the cache's sizes only, and the
 // kernels read the step's work from the step block):
+//   shared_prefix_attention  the step's shared prefixes (cell layout), read once for all who share
+//                            them; partial results per token (prefix_sharing.hpp)
 //   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
 //   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together
-// Outside graph capture a kernel with no work in the uploaded step is not launched at all.
+// The last two fold the shared partials into their outputs. Outside graph capture a kernel with no
+// work in the uploaded step is not launched at all.
 //
 // Supported, written out: element types __nv_bfloat16 and __half (fp32 accumulation), head dims
 // 64, 128 and 256, any H_q that is a multiple of H_kv. fp32 storage uses the reference kernel.
@@ -15,14 +18,17 @@
 #include <cuda/stream_ref>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 #include "cellkv/attention_plan.hpp"
+#include "cellkv/prefix_sharing.hpp"
 #include "cellkv/cuda/error.hpp"
 #include "cellkv/cuda/kernels/decode_attention.cuh"
 #include "cellkv/cuda/kernels/prefill_attention.cuh"
+#include "cellkv/cuda/kernels/shared_prefix_attention.cuh"
 #include "cellkv/cuda/kernels/tile_rows.cuh"
 #include "cellkv/cuda/launch/dispatch.cuh"
 #include "cellkv/cuda/memory.hpp"
@@ -69,14 +75,22 @@ inline constexpr DecodeConfig kDecode = decode_config(D);
 
 inline constexpr int kPrefillStages = 2;
 
-// The attention geometry of a cache's shard.
+// The attention geometry of a cache's shard; shared_slots: partial slots of the shared-prefix
+// kernel (0: the cache does not share prefixes).
 struct TableShape {
   std::int32_t heads_q = 0, heads_kv = 0, head_dim = 0;
+  std::int32_t shared_slots = 0;
 };
+
+// Shared-prefix partial slots a cache of max_write tokens per step provides: 2 max_write,
+// within [256, 2048] (a 64-fork decode step of a 4k prefix needs 64 x 8).
+constexpr std::int32_t shared_slot_capacity(std::int32_t max_write) noexcept {
+  return std::clamp(2 * max_write, 256, 2048);
+}
 
 // Work counts of one window buffer in the uploaded step (the host knows them from its plan).
 struct WorkCounts {
-  std::int32_t decode = 0, prefill = 0;
+  std::int32_t decode = 0, prefill = 0, shared = 0;
 };
 
 // Rows is kernels::TableRows (cell layout) or kernels::SlotRows (sequence layout).
@@ -93,11 +107,21 @@ class TableAttention {
     partial_lse_ = DeviceBuffer<float>(static_cast<std::size_t>(slots_) * kDecodeRows);
     merge_counts_ = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(kernels::kMergeLevels) * static_cast<std::size_t>(slots_));
     CELLKV_CUDA_THROW(cudaMemset(merge_counts_.data(), 0, merge_counts_.bytes()));
+    const auto shared_rows = static_cast<std::size_t>(shape.shared_slots) * static_cast<std::size_t>(shape.heads_q);
+    shared_o_ = DeviceBuffer<float>(shared_rows * static_cast<std::size_t>(shape.head_dim));
+    shared_lse_ = DeviceBuffer<float>(shared_rows);
+    shared_counts_ = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(shape.shared_slots) * static_cast<std::size_t>(shape.heads_kv));
+    if (shared_counts_.size() > 0) CELLKV_CUDA_THROW(cudaMemset(shared_counts_.data(), 0, shared_counts_.bytes()));
   }
 
   // The decode tile (positions) the host plans with.
   [[nodiscard]] AttentionShape plan_shape() const noexcept {
     return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim)};
+  }
+
+  // What the sharing planner needs: the kernel's geometry and the step block's capacities.
+  [[nodiscard]] SharingShape sharing_shape(std::int32_t max_runs) const noexcept {
+    return {shape_.heads_q / shape_.heads_kv, shape_.heads_kv, shared_grid_, max_runs, shape_.shared_slots};
   }
 
   // One layer's attention through window buffer `buffer` of window `window`: q, out [width, H_q, D];
@@ -107,15 +131,24 @@ class TableAttention {
                 ::cuda::stream_ref stream) const {
     if (scale == 0.f) scale = 1.f / std::sqrt(static_cast<float>(shape_.head_dim));
     const float scale_log2 = scale * kernels::kLog2e;
-    const kernels::PrefillArgs<T, Rows> pre{q, out, pool, rows, shape_.heads_q, scale_log2, window, b.segments, b.work[buffer]};
+    const bool sharing = shape_.shared_slots > 0 && b.shared.counts != nullptr;
+    const kernels::SharedFold fold = sharing ? kernels::SharedFold{b.shared.own_begin, b.shared.token_slots,
+                                                                   shared_o_.data(), shared_lse_.data()}
+                                             : kernels::SharedFold{};
+    const kernels::PrefillArgs<T, Rows> pre{q,      out,        pool,       rows, shape_.heads_q, scale_log2,
+                                            window, b.segments, b.work[buffer], fold};
     const kernels::DecodeArgs<T, Rows> dec{pre, b.tokens, width, partial_o_.data(), partial_lse_.data(),
                                            merge_counts_.data(), slots_};
+    const kernels::SharedArgs<T, Rows> shared{pre, b.shared, b.token_pos, shared_o_.data(), shared_lse_.data(),
+                                              shared_counts_.data()};
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CELLKV_CUDA_STATUS(cudaStreamIsCapturing(stream.get(), &capture));
     const bool any = capture != cudaStreamCaptureStatusNone;
     const bool prefill = any || work.prefill > 0, decode = any || work.decode > 0 || width > tokens;
     return dispatch_head_dim(shape_.head_dim, [&](auto d) -> Status {
       constexpr int D = decltype(d)::value;
+      if (sharing && (any || work.shared > 0))  // before both: they fold its partials in
+        if (const Status s = launch_shared<D>(shared, stream.get()); !s.ok()) return s;
       if (prefill && decode) {  // fork: prefill on the side stream, decode here, then join
         if (const Status s = fork_.record(stream); !s.ok()) return s;
         if (const Status s = fork_.wait_on(side_); !s.ok()) return s;
@@ -143,6 +176,11 @@ class TableAttention {
     CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pre_blocks, pre, kernels::kPrefillThreads, pre_smem));
     decode_grid_ = sms * (dec_blocks > 0 ? dec_blocks : 1);
     prefill_grid_ = sms * (pre_blocks > 0 ? pre_blocks : 1);
+    auto* shared = kernels::shared_prefix_attention<T, D, Rows>;
+    CELLKV_CUDA_THROW(cudaFuncSetAttribute(shared, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
+    int shared_blocks = 0;
+    CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shared_blocks, shared, kernels::kPrefillThreads, pre_smem));
+    shared_grid_ = sms * (shared_blocks > 0 ? shared_blocks : 1);
     slots_ = 2 * decode_grid_ * kDecode<D>.warps;  // two partial slots per decode worker
     return {};
   }
@@ -167,11 +205,22 @@ class TableAttention {
     return detail::last_launch();
   }
 
+  template <int D>
+  Status launch_shared(const kernels::SharedArgs<T, Rows>& a, cudaStream_t stream) const {
+    auto* kernel = kernels::shared_prefix_attention<T, D, Rows>;
+    constexpr int smem = kernels::prefill_smem_bytes<D, kPrefillStages>();
+    CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<shared_grid_, kernels::kPrefillThreads, smem, stream>>>(a);
+    return detail::last_launch();
+  }
+
   TableShape shape_;
-  int decode_grid_ = 0, prefill_grid_ = 0;
+  int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0;
   std::int32_t slots_ = 0;
   DeviceBuffer<float> partial_o_, partial_lse_;
   DeviceBuffer<std::int32_t> merge_counts_;
+  DeviceBuffer<float> shared_o_, shared_lse_;  // [shared_slots][H_q][D], [shared_slots][H_q]
+  DeviceBuffer<std::int32_t> shared_counts_;   // [shared_slots][H_kv] split-merge counters, zero between launches
   Stream side_;
   Event fork_, join_;
 };

@@ -1,0 +1,175 @@
+// cellkv/cuda/kernels/shared_prefix_attention.cuh - the shared prefixes of a step, each K/V tile
+// read once for every sequence that shares it (prefix_sharing.hpp).
+//
+// Work item = (shared item, KV head): kSharedRows query rows of a run (its member tokens x the GQA
+// heads of the KV head, 16 per warp) over one split of the run's positions, read through the
+// position table of one member (every member holds the same pages there). Every query of a run
+// lies past the run, so only a window can hide a position from a row; mask_tile applies it per row.
+// Each row's result goes to its token's partial slot for (run, split): the output normalized over
+// what the split showed it, and the log2-sum-exp of its scores (-inf when it saw nothing). The
+// last item of a (run, row block, KV head) to finish merges its splits into the slot of split 0
+// (a counter per group, back to zero after, so a graph replay starts clean). The kernels that read
+// the tokens' own positions fold the split-0 slots into the outputs (shared_fold.cuh).
+//
+// Runs before those kernels on the same stream. Grid: persistent (fixed); block: kPrefillWarps x
+// 32 threads; dynamic smem: prefill_smem_bytes<D, 2>().
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "cellkv/cuda/kernels/prefill_attention.cuh"
+#include "cellkv/prefix_sharing.hpp"
+
+namespace cellkv::gpu::kernels {
+
+static_assert(kSharedRows == kPrefillRows && kSharedTile == kPrefillTile, "shared items run the prefill block");
+
+template <class T, class Rows>
+struct SharedArgs : LayerArgs<T, Rows> {
+  SharedWork sharing;                       // the step's runs and items
+  const std::int32_t* token_pos = nullptr;  // [T] position of each step token
+  float* partial_o = nullptr;               // [slots][H_q][D]
+  float* partial_lse = nullptr;             // [slots][H_q]
+  std::int32_t* merge_counts = nullptr;     // [slots][H_kv], zero between launches
+};
+
+// Rows [row0, row0 + rows) of a run; row r is member token r / group (step token tokens[r / group],
+// whose partial slot of split 0 is slots[r / group]), head r % group of the KV head's group.
+// [lo, hi]: the lowest and highest query position of these rows.
+struct SharedRows {
+  const std::int32_t* tokens = nullptr;
+  const std::int32_t* slots = nullptr;
+  const std::int32_t* extra = nullptr;  // slot of split 1 of each member token
+  const std::int32_t* token_pos = nullptr;
+  int row0 = 0, rows = 0, group = 1;
+  int lo = 0, hi = -1;
+  __device__ int token(int r) const { return tokens[(row0 + r) / group]; }
+  // Partial slot of row r's token for split k.
+  __device__ int slot(int r, int k) const { return k == 0 ? slots[(row0 + r) / group] : extra[(row0 + r) / group] + k - 1; }
+  __device__ int head(int hk, int r) const { return hk * group + (row0 + r) % group; }
+  __device__ int qpos(int r) const { return token_pos[token(r)]; }
+  __device__ int first() const { return lo; }
+  __device__ int last() const { return hi; }
+  // Rows [16 warp, 16 warp + 16) of these, with their own [lo, hi] (the whole warp calls it).
+  __device__ SharedRows for_warp(int warp, int lane) const {
+    SharedRows w = *this;
+    w.row0 = row0 + 16 * warp;
+    w.rows = max(0, min(16, rows - 16 * warp));
+    const bool valid = lane < w.rows;
+    const int q = valid ? w.qpos(lane) : 0;
+    w.lo = __reduce_min_sync(0xffffffffu, valid ? q : INT_MAX);
+    w.hi = __reduce_max_sync(0xffffffffu, valid ? q : -1);
+    return w;
+  }
+};
+
+// Writes a warp's rows as partials of split `split`. The state is consumed.
+template <int D, class QRows>
+__device__ void write_partials(float* partial_o, float* partial_lse, int heads_q, const QRows& mine, int hk, int split,
+                               RowState<D>& st, int lane) {
+  using R = RowHalf<D>;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = (lane >> 2) + 8 * h;
+    const R res(st, h);
+    if (r >= mine.rows) continue;
+    const std::int64_t row = static_cast<std::int64_t>(mine.slot(r, split)) * heads_q + mine.head(hk, r);
+    float* dst = partial_o + row * D;
+#pragma unroll
+    for (int j = 0; j < R::kValues; j += 2)
+      *reinterpret_cast<float2*>(dst + R::column(j, lane)) = make_float2(res.v(j), res.v(j + 1));
+    if ((lane & 3) == 0) partial_lse[row] = res.lse;
+  }
+}
+
+// Merges the `splits` partials of the block's rows into the slots of split 0, the whole block at
+// once: first each row's weights (a thread per row, every split's lse in flight together), then
+// every (row, 4 columns) element over the splits. `weights` is shared memory [kSharedRows][kMaxSplits].
+template <int D>
+__device__ void merge_splits(float* partial_o, float* partial_lse, int heads_q, const SharedRows& it, int hk,
+                             int splits, float (&weights)[kSharedRows][kMaxSplits]) {
+  auto row_of = [&](int r, int k) { return static_cast<std::int64_t>(it.slot(r, k)) * heads_q + it.head(hk, r); };
+  for (int r = threadIdx.x; r < it.rows; r += blockDim.x) {
+    float lse[kMaxSplits];
+    float top = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < kMaxSplits; ++k) {
+      lse[k] = k < splits ? __ldcg(partial_lse + row_of(r, k)) : -INFINITY;
+      top = fmaxf(top, lse[k]);
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < kMaxSplits; ++k) sum += lse[k] = top == -INFINITY ? 0.f : exp2f(lse[k] - top);
+#pragma unroll
+    for (int k = 0; k < kMaxSplits; ++k) weights[r][k] = sum > 0.f ? lse[k] / sum : 0.f;
+    partial_lse[row_of(r, 0)] = sum > 0.f ? top + log2f(sum) : -INFINITY;  // read above by this thread only
+  }
+  __syncthreads();
+  constexpr int kPerRow = D / 4;  // float4 per row
+#pragma unroll 2
+  for (int idx = threadIdx.x; idx < it.rows * kPerRow; idx += blockDim.x) {
+    const int r = idx / kPerRow, c = idx % kPerRow;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+    for (int k = 0; k < splits; ++k) {
+      const float w = weights[r][k];
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(partial_o + row_of(r, k) * D) + c);
+      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+    }
+    reinterpret_cast<float4*>(partial_o + row_of(r, 0) * D)[c] = acc;  // this element is this thread's alone
+  }
+}
+
+template <class T, int D, class Rows>
+__global__ void __launch_bounds__(kPrefillThreads) shared_prefix_attention(SharedArgs<T, Rows> a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int ids[2][kPrefillTile];
+  __shared__ int bounds[2];
+  __shared__ int last;
+  __shared__ float weights[kSharedRows][kMaxSplits];
+  const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
+  const int items = a.sharing.item_count() * heads_kv;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const SharedItem w = a.sharing.items[item / heads_kv];
+    const int hk = item % heads_kv;
+    const SharedRun run = a.sharing.runs[w.run];
+    SharedRows it{a.sharing.run_tokens + run.token0, a.sharing.run_slot + run.token0, a.sharing.run_extra + run.token0,
+                  a.token_pos, w.row0, 0, group};
+    it.rows = min(kSharedRows, run.tokens * group - w.row0);
+    if (threadIdx.x == 0) bounds[0] = INT_MAX, bounds[1] = -1;
+    __syncthreads();
+    if (threadIdx.x < it.rows) {
+      atomicMin(&bounds[0], it.qpos(threadIdx.x));
+      atomicMax(&bounds[1], it.qpos(threadIdx.x));
+    }
+    __syncthreads();
+    it.lo = bounds[0];
+    it.hi = bounds[1];
+    // What any row of the item sees of the split: from the lowest row's window start on.
+    const TileSpan split = split_tiles(run, w.split);
+    const int begin = max(split.first * kSharedTile, visible_begin(a.window, it.lo));
+    const PositionRange seen{begin, (split.first + split.count) * kSharedTile - 1};
+    const TileSpan span = seen.empty() ? TileSpan{0, 0} : TileSpan{seen.begin / kSharedTile, seen.end / kSharedTile - seen.begin / kSharedTile + 1};
+    attend_block<T, D>(a, it, TileSource{run.seq, hk, span, seen}, smem, ids,
+                       [&](const SharedRows& mine, RowState<D>& st, int lane) {
+                         write_partials<D>(a.partial_o, a.partial_lse, a.heads_q, mine, hk, w.split, st, lane);
+                       });
+    if (run.splits == 1) continue;
+    // The last split of (run, row block, KV head) to finish merges them all.
+    __threadfence();  // this block's partials before the count
+    __syncthreads();
+    std::int32_t* count = a.merge_counts + (static_cast<std::int64_t>(item / heads_kv) - w.split) * heads_kv + hk;
+    if (threadIdx.x == 0) last = atomicAdd(count, 1) == run.splits - 1;
+    __syncthreads();
+    if (!last) continue;
+    __threadfence();  // the other splits' partials before reading them
+    if (threadIdx.x == 0) *count = 0;
+    merge_splits<D>(a.partial_o, a.partial_lse, a.heads_q, it, hk, run.splits, weights);
+    __syncthreads();  // before the next item's writes of `weights` and `bounds`
+  }
+}
+
+}  // namespace cellkv::gpu::kernels
