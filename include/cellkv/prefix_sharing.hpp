@@ -11,7 +11,7 @@
 // A run is one unit of work whose query rows are all its members' step tokens x their GQA heads
 // (packed as MMA rows, kSharedRows per item), over the run's positions cut into `splits` KV
 // ranges. Every (run, split) writes a partial result per member token and head into its own slot;
-// the last split of a (run, row block) to finish merges the splits into the slot of split 0. A
+// then the splits of every (run, token) are merged into the slot of split 0. A
 // token's split-0 slots, one per run it belongs to, are consecutive (token_slots); the kernel that
 // reads a segment's own positions folds them into its output by log-sum-exp (the split-KV merge).
 // Nothing here depends on where cells are or on windows.
@@ -61,7 +61,7 @@ struct SlotRange {
 
 // The sharing of one step, in fixed-capacity arrays.
 struct SharedWork {
-  std::int32_t* counts = nullptr;      // [2]: runs, items
+  std::int32_t* counts = nullptr;      // [3]: runs, items, run tokens
   SharedRun* runs = nullptr;           // [max_runs]
   std::int32_t* run_tokens = nullptr;  // [slots] the member tokens of every run, run by run
   std::int32_t* run_slot = nullptr;    // [slots] slot of split 0 of that token in that run
@@ -72,6 +72,7 @@ struct SharedWork {
 
   CELLKV_HOST_DEVICE std::int32_t run_count() const noexcept { return counts[0]; }
   CELLKV_HOST_DEVICE std::int32_t item_count() const noexcept { return counts[1]; }
+  CELLKV_HOST_DEVICE std::int32_t run_token_count() const noexcept { return counts[2]; }
 };
 
 // Capacities and the kernel geometry the plan depends on.

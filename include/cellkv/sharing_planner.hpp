@@ -91,13 +91,13 @@ class SharingPlanner {
     return n;
   }
 
-  // Splits so that items x H_kv fill the shared kernel, within the capacities; then drops the
+  // Splits so that items x H_kv fill the shared kernel in one wave, within the capacities; then drops the
   // last runs (deepest first: runs are in depth-first order) while they do not fit.
   void choose_splits(const SharingShape& shape, const SharedWork& out) {
     std::int64_t blocks = 0;
     for (const Run& r : runs_) blocks += (tokens_of(r) * shape.group + kSharedRows - 1) / kSharedRows;
-    const std::int64_t want = blocks == 0 ? 1 : (static_cast<std::int64_t>(shape.workers) + blocks * shape.heads_kv - 1) /
-                                                    (blocks * shape.heads_kv);
+    // As many splits as still give every item x KV head a worker of its own (one wave).
+    const std::int64_t want = blocks == 0 ? 1 : std::max<std::int64_t>(1, shape.workers / (blocks * shape.heads_kv));
     for (Run& r : runs_)
       r.splits = static_cast<std::int32_t>(std::clamp<std::int64_t>(
           std::min<std::int64_t>(want, (r.end_page - r.begin_page) / kMinSplitTiles), 1, kMaxSplits));
@@ -154,6 +154,7 @@ class SharingPlanner {
     }
     out.counts[0] = static_cast<std::int32_t>(runs_.size());
     out.counts[1] = items;
+    out.counts[2] = token_at;
   }
   template <class F>
   void for_each_member_token(const Run& r, F&& f) const {

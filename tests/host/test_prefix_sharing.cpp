@@ -26,7 +26,7 @@ constexpr std::int32_t kWindows[] = {0, 1, 40, 64, 150, 700};
 
 // The plan's arrays, owned.
 struct Plan {
-  std::vector<std::int32_t> counts = std::vector<std::int32_t>(2), run_tokens, run_slot, run_extra, own_begin;
+  std::vector<std::int32_t> counts = std::vector<std::int32_t>(3), run_tokens, run_slot, run_extra, own_begin;
   std::vector<SharedRun> runs;
   std::vector<SharedItem> items;
   std::vector<SlotRange> token_slots;
@@ -120,6 +120,12 @@ std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Pla
                   static_cast<std::size_t>((w.runs[r].tokens * shape.group + kSharedRows - 1) / kSharedRows);
   CHECK(items.size() == want_items);
   CHECK(w.item_count() <= shape.slots);
+  std::int32_t run_tokens = 0;
+  for (std::int32_t r = 0; r < runs; ++r) {
+    CHECK(w.runs[r].token0 == run_tokens);  // runs list their tokens in order (the merge kernel searches them)
+    run_tokens += w.runs[r].tokens;
+  }
+  CHECK(w.run_token_count() == run_tokens);
   // Per token and window: runs + own range partition what the token sees (the visibility rule).
   for (std::size_t si = 0; si < step.segments.size(); ++si) {
     const Segment& seg = step.segments[si];
@@ -259,8 +265,8 @@ TEST_CASE("prefix sharing plan: 64 forks of one prompt share it in one run, spli
   CHECK(run.begin == 0);
   CHECK(run.end == 4096);
   CHECK(run.tokens == 64);
-  // 256 rows = 4 blocks x 8 KV heads = 32 items per split; 264 workers want 9 splits.
-  CHECK(run.splits == 9);
+  // 256 rows = 4 blocks x 8 KV heads = 32 items per split; 264 workers take 8 splits in one wave.
+  CHECK(run.splits == 8);
   for (std::int32_t s = 0; s < 64; ++s) CHECK(plan.view.own_begin[s] == 4096);
 }
 

@@ -296,7 +296,7 @@ class DeviceShard {
         return out.item_count();
       }
     }
-    out.counts[0] = out.counts[1] = 0;
+    out.counts[0] = out.counts[1] = out.counts[2] = 0;
     std::fill_n(out.own_begin, plan.segments.size(), 0);
     std::fill_n(out.token_slots, plan.tokens, SlotRange{});
     return 0;

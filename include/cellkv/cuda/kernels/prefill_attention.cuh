@@ -4,8 +4,8 @@
 // the group), 16 per warp. They read the positions [own_begin, last row] of their sequence that
 // they see (own_positions: the shared prefix below own_begin was read by shared items): KV tiles of
 // kPrefillTile positions, each inside one page of the position table. The block streams the tiles
-// through two shared-memory stages (cp.async, rows gathered through the table; the row ids of the
-// tile after next are read while the current tile computes); each warp skips the tiles its own
+// through 2 or 3 shared-memory stages (cp.async, rows gathered through the table; the row ids of
+// the tile after the next issued are read while the current tile computes); each warp skips the tiles its own
 // rows cannot see and masks only the tiles at the edges of its range. The output of a row folds
 // in its token's shared-prefix partials.
 //
@@ -13,7 +13,7 @@
 // over the rows of a shared run.
 //
 // Grid: persistent (fixed); block: kPrefillWarps x 32 threads; dynamic smem:
-// prefill_smem_bytes<D, Stages>().
+// prefill_smem_bytes<D, Stages>(), Stages = prefill_stages(D).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,6 +38,10 @@ template <int D, int Stages>
 constexpr int prefill_smem_bytes() {
   return kPrefillRows * D * 2 + Stages * 2 * kPrefillTile * D * 2;
 }
+
+// KV stages of the prefill block for head dim D: three where two blocks of them still fit an SM
+// (D <= 128: 112 KB each), else two.
+constexpr int prefill_stages(int head_dim) { return head_dim <= 128 ? 3 : 2; }
 
 template <class T, class Rows>
 using PrefillArgs = LayerArgs<T, Rows>;
@@ -104,11 +108,13 @@ struct TileSource {
 };
 
 // One block's attention of up to kPrefillRows query rows `it` (QRows: ItemRows or SharedRows) over
-// the tiles of `src`; finish(warp's rows, state, lane) writes each warp's result. The block leaves
-// with every thread past its last use of the shared tiles.
-template <class T, int D, class Rows, class QRows, class Finish>
+// the tiles of `src`, streamed through `Stages` (2 or 3) shared-memory stages; finish(warp's rows,
+// state, lane) writes each warp's result. The block leaves with every thread past its last use of
+// the shared tiles. `ids` holds the row ids of two tiles: the next to issue and the one after.
+template <class T, int D, int Stages, class Rows, class QRows, class Finish>
 __device__ void attend_block(const LayerArgs<T, Rows>& a, const QRows& it, const TileSource& src, unsigned char* smem,
                              int (&ids)[2][kPrefillTile], Finish&& finish) {
+  static_assert(Stages == 2 || Stages == 3, "attend_block streams its KV tiles through 2 or 3 stages");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::uint32_t q_tile = smem_addr(smem);
   const std::uint32_t stages = q_tile + kPrefillRows * D * 2;
@@ -117,11 +123,12 @@ __device__ void attend_block(const LayerArgs<T, Rows>& a, const QRows& it, const
   auto id_of = [&](int j) {
     return prefill_row_id(a.rows, src.seq, (src.span.first + j) * kPrefillTile, src.seen, threadIdx.x);
   };
+  const int count = src.span.count;
   load_queries<D>(a.q, a.heads_q, it, src.hk, q_tile);
   cp_async_commit();
   if (threadIdx.x < kPrefillTile) {
-    ids[0][threadIdx.x] = src.span.count > 0 ? id_of(0) : -1;
-    ids[1][threadIdx.x] = src.span.count > 1 ? id_of(1) : -1;
+    ids[0][threadIdx.x] = count > 0 ? id_of(0) : -1;
+    ids[1][threadIdx.x] = count > 1 ? id_of(1) : -1;
   }
   const auto mine = it.for_warp(warp, lane);
   cp_async_wait<0>();
@@ -129,26 +136,34 @@ __device__ void attend_block(const LayerArgs<T, Rows>& a, const QRows& it, const
   QFragments<D> q;
   q.init(q_tile, 16 * warp, lane);
   RowState<D> st;
-  if (src.span.count > 0) issue_prefill_tile<D>(a.pool, src.hk, ids[0], k_stage(0), k_stage(0) + kTileBytes);
-  cp_async_commit();
-  for (int j = 0; j < src.span.count; ++j) {
-    cp_async_wait<0>();
-    __syncthreads();  // tile j landed; ids of tile j + 1 visible; stage (j + 1) % 2 free
-    if (j + 1 < src.span.count)
-      issue_prefill_tile<D>(a.pool, src.hk, ids[(j + 1) % 2], k_stage((j + 1) % 2), k_stage((j + 1) % 2) + kTileBytes);
+#pragma unroll
+  for (int j = 0; j < Stages - 1; ++j) {  // tiles [0, Stages - 1), a commit group each
+    if (j < count) issue_prefill_tile<D>(a.pool, src.hk, ids[j], k_stage(j), k_stage(j) + kTileBytes);
     cp_async_commit();
-    const int next_id = j + 2 < src.span.count && threadIdx.x < kPrefillTile ? id_of(j + 2) : -1;
+  }
+  if constexpr (Stages == 3) {  // tile 2's ids replace tile 0's, once every thread issued tile 0
+    __syncthreads();
+    if (threadIdx.x < kPrefillTile) ids[0][threadIdx.x] = count > 2 ? id_of(2) : -1;
+  }
+  for (int j = 0; j < count; ++j) {
+    cp_async_wait<Stages - 2>();
+    __syncthreads();  // tile j landed; ids of tile j + Stages - 1 visible; its stage free
+    const int ahead = j + Stages - 1;
+    if (ahead < count)
+      issue_prefill_tile<D>(a.pool, src.hk, ids[ahead % 2], k_stage(ahead % Stages), k_stage(ahead % Stages) + kTileBytes);
+    cp_async_commit();
+    const int next_id = ahead + 1 < count && threadIdx.x < kPrefillTile ? id_of(ahead + 1) : -1;
     const int key0 = (src.span.first + j) * kPrefillTile;
     if (mine.rows > 0 && key0 <= mine.last() && key0 + kPrefillTile - 1 >= visible_begin(a.window, mine.first())) {
       const bool full = key0 >= visible_begin(a.window, mine.last()) && key0 + kPrefillTile - 1 <= mine.first();
       float s[kPrefillTile / 8][4];
-      qk<D, kPrefillTile / 8, T>(s, q, k_stage(j % 2), 0, lane);
+      qk<D, kPrefillTile / 8, T>(s, q, k_stage(j % Stages), 0, lane);
       mask_tile<kPrefillTile / 8>(s, mine.rows, [&](int r) { return mine.qpos(r); }, key0, a.window, full, a.scale_log2,
                                   lane);
       st.absorb(s);
-      pv<D, kPrefillTile / 8, T>(st.o, s, k_stage(j % 2) + kTileBytes, 0, lane);
+      pv<D, kPrefillTile / 8, T>(st.o, s, k_stage(j % Stages) + kTileBytes, 0, lane);
     }
-    if (j + 2 < src.span.count && threadIdx.x < kPrefillTile) ids[j % 2][threadIdx.x] = next_id;
+    if (ahead + 1 < count && threadIdx.x < kPrefillTile) ids[(ahead + 1) % 2][threadIdx.x] = next_id;
   }
   finish(mine, st, lane);
   __syncthreads();  // before the next item reuses the query tile and the stages
@@ -175,7 +190,6 @@ __device__ void write_rows(const LayerArgs<T, Rows>& a, const QRows& mine, int h
 
 template <class T, int D, int Stages, class Rows>
 __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(PrefillArgs<T, Rows> a) {
-  static_assert(Stages == 2, "prefill_attention double-buffers its KV tiles");
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int ids[2][kPrefillTile];
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
@@ -188,7 +202,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(PrefillArgs
     const int own_begin = a.shared.own_begin_of(w.seg);
     const TileSource src{it.seg.seq, hk, tiles_seen(a.window, it.first(), it.last(), kPrefillTile, own_begin),
                          own_positions(a.window, it.first(), it.last(), own_begin)};
-    attend_block<T, D>(a, it, src, smem, ids,
+    attend_block<T, D, Stages>(a, it, src, smem, ids,
                        [&](const ItemRows& mine, RowState<D>& st, int lane) { write_rows<T, D>(a, mine, hk, st, lane); });
   }
 }

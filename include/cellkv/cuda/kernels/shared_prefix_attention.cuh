@@ -6,13 +6,13 @@
 // position table of one member (every member holds the same pages there). Every query of a run
 // lies past the run, so only a window can hide a position from a row; mask_tile applies it per row.
 // Each row's result goes to its token's partial slot for (run, split): the output normalized over
-// what the split showed it, and the log2-sum-exp of its scores (-inf when it saw nothing). The
-// last item of a (run, row block, KV head) to finish merges its splits into the slot of split 0
-// (a counter per group, back to zero after, so a graph replay starts clean). The kernels that read
-// the tokens' own positions fold the split-0 slots into the outputs (shared_fold.cuh).
+// what the split showed it, and the log2-sum-exp of its scores (-inf when it saw nothing).
+// merge_shared_splits then merges the splits of every (run, token) into the slot of split 0, in
+// parallel over tokens and heads; the kernels that read the tokens' own positions fold the split-0
+// slots into the outputs (shared_fold.cuh).
 //
 // Runs before those kernels on the same stream. Grid: persistent (fixed); block: kPrefillWarps x
-// 32 threads; dynamic smem: prefill_smem_bytes<D, 2>().
+// 32 threads; dynamic smem: prefill_smem_bytes<D, Stages>(), Stages = prefill_stages(D).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,7 +33,6 @@ struct SharedArgs : LayerArgs<T, Rows> {
   const std::int32_t* token_pos = nullptr;  // [T] position of each step token
   float* partial_o = nullptr;               // [slots][H_q][D]
   float* partial_lse = nullptr;             // [slots][H_q]
-  std::int32_t* merge_counts = nullptr;     // [slots][H_kv], zero between launches
 };
 
 // Rows [row0, row0 + rows) of a run; row r is member token r / group (step token tokens[r / group],
@@ -85,51 +84,11 @@ __device__ void write_partials(float* partial_o, float* partial_lse, int heads_q
   }
 }
 
-// Merges the `splits` partials of the block's rows into the slots of split 0, the whole block at
-// once: first each row's weights (a thread per row, every split's lse in flight together), then
-// every (row, 4 columns) element over the splits. `weights` is shared memory [kSharedRows][kMaxSplits].
-template <int D>
-__device__ void merge_splits(float* partial_o, float* partial_lse, int heads_q, const SharedRows& it, int hk,
-                             int splits, float (&weights)[kSharedRows][kMaxSplits]) {
-  auto row_of = [&](int r, int k) { return static_cast<std::int64_t>(it.slot(r, k)) * heads_q + it.head(hk, r); };
-  for (int r = threadIdx.x; r < it.rows; r += blockDim.x) {
-    float lse[kMaxSplits];
-    float top = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < kMaxSplits; ++k) {
-      lse[k] = k < splits ? __ldcg(partial_lse + row_of(r, k)) : -INFINITY;
-      top = fmaxf(top, lse[k]);
-    }
-    float sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < kMaxSplits; ++k) sum += lse[k] = top == -INFINITY ? 0.f : exp2f(lse[k] - top);
-#pragma unroll
-    for (int k = 0; k < kMaxSplits; ++k) weights[r][k] = sum > 0.f ? lse[k] / sum : 0.f;
-    partial_lse[row_of(r, 0)] = sum > 0.f ? top + log2f(sum) : -INFINITY;  // read above by this thread only
-  }
-  __syncthreads();
-  constexpr int kPerRow = D / 4;  // float4 per row
-#pragma unroll 2
-  for (int idx = threadIdx.x; idx < it.rows * kPerRow; idx += blockDim.x) {
-    const int r = idx / kPerRow, c = idx % kPerRow;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int k = 0; k < splits; ++k) {
-      const float w = weights[r][k];
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(partial_o + row_of(r, k) * D) + c);
-      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
-    }
-    reinterpret_cast<float4*>(partial_o + row_of(r, 0) * D)[c] = acc;  // this element is this thread's alone
-  }
-}
-
-template <class T, int D, class Rows>
+template <class T, int D, int Stages, class Rows>
 __global__ void __launch_bounds__(kPrefillThreads) shared_prefix_attention(SharedArgs<T, Rows> a) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int ids[2][kPrefillTile];
   __shared__ int bounds[2];
-  __shared__ int last;
-  __shared__ float weights[kSharedRows][kMaxSplits];
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
   const int items = a.sharing.item_count() * heads_kv;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
@@ -153,22 +112,85 @@ __global__ void __launch_bounds__(kPrefillThreads) shared_prefix_attention(Share
     const int begin = max(split.first * kSharedTile, visible_begin(a.window, it.lo));
     const PositionRange seen{begin, (split.first + split.count) * kSharedTile - 1};
     const TileSpan span = seen.empty() ? TileSpan{0, 0} : TileSpan{seen.begin / kSharedTile, seen.end / kSharedTile - seen.begin / kSharedTile + 1};
-    attend_block<T, D>(a, it, TileSource{run.seq, hk, span, seen}, smem, ids,
+    attend_block<T, D, Stages>(a, it, TileSource{run.seq, hk, span, seen}, smem, ids,
                        [&](const SharedRows& mine, RowState<D>& st, int lane) {
                          write_partials<D>(a.partial_o, a.partial_lse, a.heads_q, mine, hk, w.split, st, lane);
                        });
-    if (run.splits == 1) continue;
-    // The last split of (run, row block, KV head) to finish merges them all.
-    __threadfence();  // this block's partials before the count
+  }
+}
+
+// Merges the splits of every (run, member token) into the slot of split 0, after
+// shared_prefix_attention: a block per (run token, group of up to 8 query heads), first the
+// weights of each head (a thread per head, every split's lse in flight together), then every
+// 4 columns of every head over the splits (a thread each).
+//
+// Grid: persistent (fixed); block: kMergeThreads.
+inline constexpr int kMergeHeads = 8;
+template <int D>
+inline constexpr int kMergeThreads = kMergeHeads * D / 4;
+
+struct MergeArgs {
+  SharedWork sharing;
+  float* partial_o = nullptr;    // [slots][H_q][D]
+  float* partial_lse = nullptr;  // [slots][H_q]
+  std::int32_t heads_q = 0;
+};
+
+template <int D>
+__global__ void __launch_bounds__(kMergeThreads<D>) merge_shared_splits(MergeArgs a) {
+  __shared__ float weights[kMergeHeads][kMaxSplits];
+  __shared__ int unit_run;
+  const int groups = (a.heads_q + kMergeHeads - 1) / kMergeHeads;
+  const int units = a.sharing.run_token_count() * groups;
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int entry = unit / groups, head0 = unit % groups * kMergeHeads;
+    if (threadIdx.x == 0) {  // the run holding entry: the last whose token0 <= entry
+      int lo = 0, hi = a.sharing.run_count() - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (a.sharing.runs[mid].token0 <= entry) lo = mid;
+        else hi = mid - 1;
+      }
+      unit_run = lo;
+    }
     __syncthreads();
-    std::int32_t* count = a.merge_counts + (static_cast<std::int64_t>(item / heads_kv) - w.split) * heads_kv + hk;
-    if (threadIdx.x == 0) last = atomicAdd(count, 1) == run.splits - 1;
-    __syncthreads();
-    if (!last) continue;
-    __threadfence();  // the other splits' partials before reading them
-    if (threadIdx.x == 0) *count = 0;
-    merge_splits<D>(a.partial_o, a.partial_lse, a.heads_q, it, hk, run.splits, weights);
-    __syncthreads();  // before the next item's writes of `weights` and `bounds`
+    const int splits = a.sharing.runs[unit_run].splits;
+    if (splits > 1) {
+      const int heads = min(kMergeHeads, a.heads_q - head0);
+      auto row_of = [&](int h, int k) {
+        const int slot = k == 0 ? a.sharing.run_slot[entry] : a.sharing.run_extra[entry] + k - 1;
+        return static_cast<std::int64_t>(slot) * a.heads_q + head0 + h;
+      };
+      if (threadIdx.x < heads) {
+        const int h = threadIdx.x;
+        float lse[kMaxSplits];
+        float top = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < kMaxSplits; ++k) {
+          lse[k] = k < splits ? a.partial_lse[row_of(h, k)] : -INFINITY;
+          top = fmaxf(top, lse[k]);
+        }
+        float sum = 0.f;
+#pragma unroll
+        for (int k = 0; k < kMaxSplits; ++k) sum += lse[k] = top == -INFINITY ? 0.f : exp2f(lse[k] - top);
+#pragma unroll
+        for (int k = 0; k < kMaxSplits; ++k) weights[h][k] = sum > 0.f ? lse[k] / sum : 0.f;
+        a.partial_lse[row_of(h, 0)] = sum > 0.f ? top + log2f(sum) : -INFINITY;  // read above by this thread only
+      }
+      __syncthreads();
+      const int h = threadIdx.x / (D / 4), c = threadIdx.x % (D / 4);
+      if (h < heads) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int k = 0; k < splits; ++k) {
+          const float w = weights[h][k];
+          const float4 v = reinterpret_cast<const float4*>(a.partial_o + row_of(h, k) * D)[c];
+          acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+        }
+        reinterpret_cast<float4*>(a.partial_o + row_of(h, 0) * D)[c] = acc;  // this thread's element alone
+      }
+    }
+    __syncthreads();  // before the next unit's unit_run and weights
   }
 }
 

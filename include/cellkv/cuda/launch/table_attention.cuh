@@ -5,7 +5,8 @@
 // Per layer, on the caller's stream (capturable: grids depend on the cache's sizes only, and the
 // kernels read the step's work from the step block):
 //   shared_prefix_attention  the step's shared prefixes (cell layout), read once for all who share
-//                            them; partial results per token (prefix_sharing.hpp)
+//                            them; partial results per token and KV split (prefix_sharing.hpp)
+//   merge_shared_splits      the splits of every (run, token) merged into one partial
 //   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
 //   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together
 // The last two fold the shared partials into their outputs. Outside graph capture a kernel with no
@@ -73,7 +74,8 @@ constexpr DecodeConfig decode_config(int head_dim) {
 template <int D>
 inline constexpr DecodeConfig kDecode = decode_config(D);
 
-inline constexpr int kPrefillStages = 2;
+template <int D>
+inline constexpr int kPrefillStages = kernels::prefill_stages(D);
 
 // The attention geometry of a cache's shard; shared_slots: partial slots of the shared-prefix
 // kernel (0: the cache does not share prefixes).
@@ -110,8 +112,6 @@ class TableAttention {
     const auto shared_rows = static_cast<std::size_t>(shape.shared_slots) * static_cast<std::size_t>(shape.heads_q);
     shared_o_ = DeviceBuffer<float>(shared_rows * static_cast<std::size_t>(shape.head_dim));
     shared_lse_ = DeviceBuffer<float>(shared_rows);
-    shared_counts_ = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(shape.shared_slots) * static_cast<std::size_t>(shape.heads_kv));
-    if (shared_counts_.size() > 0) CELLKV_CUDA_THROW(cudaMemset(shared_counts_.data(), 0, shared_counts_.bytes()));
   }
 
   // The decode tile (positions) the host plans with.
@@ -139,16 +139,19 @@ class TableAttention {
                                             window, b.segments, b.work[buffer], fold};
     const kernels::DecodeArgs<T, Rows> dec{pre, b.tokens, width, partial_o_.data(), partial_lse_.data(),
                                            merge_counts_.data(), slots_};
-    const kernels::SharedArgs<T, Rows> shared{pre, b.shared, b.token_pos, shared_o_.data(), shared_lse_.data(),
-                                              shared_counts_.data()};
+    const kernels::SharedArgs<T, Rows> shared{pre, b.shared, b.token_pos, shared_o_.data(), shared_lse_.data()};
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CELLKV_CUDA_STATUS(cudaStreamIsCapturing(stream.get(), &capture));
     const bool any = capture != cudaStreamCaptureStatusNone;
     const bool prefill = any || work.prefill > 0, decode = any || work.decode > 0 || width > tokens;
     return dispatch_head_dim(shape_.head_dim, [&](auto d) -> Status {
       constexpr int D = decltype(d)::value;
-      if (sharing && (any || work.shared > 0))  // before both: they fold its partials in
+      if (sharing && (any || work.shared > 0)) {  // before both: they fold its partials in
         if (const Status s = launch_shared<D>(shared, stream.get()); !s.ok()) return s;
+        kernels::merge_shared_splits<D><<<merge_grid_, kernels::kMergeThreads<D>, 0, stream.get()>>>(
+            kernels::MergeArgs{b.shared, shared_o_.data(), shared_lse_.data(), shape_.heads_q});
+        if (const Status s = detail::last_launch(); !s.ok()) return s;
+      }
       if (prefill && decode) {  // fork: prefill on the side stream, decode here, then join
         if (const Status s = fork_.record(stream); !s.ok()) return s;
         if (const Status s = fork_.wait_on(side_); !s.ok()) return s;
@@ -166,9 +169,9 @@ class TableAttention {
   template <int D>
   Status size_grids(int sms) {
     auto* dec = kernels::decode_attention<T, D, kDecode<D>.stages, kDecode<D>.warps, Rows>;
-    auto* pre = kernels::prefill_attention<T, D, kPrefillStages, Rows>;
+    auto* pre = kernels::prefill_attention<T, D, kPrefillStages<D>, Rows>;
     constexpr int dec_smem = kernels::decode_smem_bytes<D, kDecode<D>.stages, kDecode<D>.warps>();
-    constexpr int pre_smem = kernels::prefill_smem_bytes<D, kPrefillStages>();
+    constexpr int pre_smem = kernels::prefill_smem_bytes<D, kPrefillStages<D>>();
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(dec, cudaFuncAttributeMaxDynamicSharedMemorySize, dec_smem));
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(pre, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
     int dec_blocks = 0, pre_blocks = 0;
@@ -176,11 +179,12 @@ class TableAttention {
     CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pre_blocks, pre, kernels::kPrefillThreads, pre_smem));
     decode_grid_ = sms * (dec_blocks > 0 ? dec_blocks : 1);
     prefill_grid_ = sms * (pre_blocks > 0 ? pre_blocks : 1);
-    auto* shared = kernels::shared_prefix_attention<T, D, Rows>;
+    auto* shared = kernels::shared_prefix_attention<T, D, kPrefillStages<D>, Rows>;
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(shared, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
     int shared_blocks = 0;
     CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shared_blocks, shared, kernels::kPrefillThreads, pre_smem));
     shared_grid_ = sms * (shared_blocks > 0 ? shared_blocks : 1);
+    merge_grid_ = sms * 8;
     slots_ = 2 * decode_grid_ * kDecode<D>.warps;  // two partial slots per decode worker
     return {};
   }
@@ -198,8 +202,8 @@ class TableAttention {
   }
   template <int D>
   Status launch_prefill(const kernels::PrefillArgs<T, Rows>& a, cudaStream_t stream) const {
-    auto* kernel = kernels::prefill_attention<T, D, kPrefillStages, Rows>;
-    constexpr int smem = kernels::prefill_smem_bytes<D, kPrefillStages>();
+    auto* kernel = kernels::prefill_attention<T, D, kPrefillStages<D>, Rows>;
+    constexpr int smem = kernels::prefill_smem_bytes<D, kPrefillStages<D>>();
     CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     kernel<<<prefill_grid_, kernels::kPrefillThreads, smem, stream>>>(a);
     return detail::last_launch();
@@ -207,20 +211,19 @@ class TableAttention {
 
   template <int D>
   Status launch_shared(const kernels::SharedArgs<T, Rows>& a, cudaStream_t stream) const {
-    auto* kernel = kernels::shared_prefix_attention<T, D, Rows>;
-    constexpr int smem = kernels::prefill_smem_bytes<D, kPrefillStages>();
+    auto* kernel = kernels::shared_prefix_attention<T, D, kPrefillStages<D>, Rows>;
+    constexpr int smem = kernels::prefill_smem_bytes<D, kPrefillStages<D>>();
     CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     kernel<<<shared_grid_, kernels::kPrefillThreads, smem, stream>>>(a);
     return detail::last_launch();
   }
 
   TableShape shape_;
-  int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0;
+  int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0, merge_grid_ = 0;
   std::int32_t slots_ = 0;
   DeviceBuffer<float> partial_o_, partial_lse_;
   DeviceBuffer<std::int32_t> merge_counts_;
   DeviceBuffer<float> shared_o_, shared_lse_;  // [shared_slots][H_q][D], [shared_slots][H_q]
-  DeviceBuffer<std::int32_t> shared_counts_;   // [shared_slots][H_kv] split-merge counters, zero between launches
   Stream side_;
   Event fork_, join_;
 };
