@@ -156,6 +156,12 @@ struct RowHalf {
   }
   __device__ __forceinline__ float& v(int j) const { return st.o[j / 2][2 * h + (j & 1)]; }
   __device__ static __forceinline__ int column(int j, int lane) { return (j / 2) * 8 + (lane & 3) * 2 + (j & 1); }
+  // Stores this lane's share as a partial: o_row [D] fp32, *lse_row (one lane of the quad writes it).
+  __device__ __forceinline__ void store_partial(float* o_row, float* lse_row, int lane) const {
+#pragma unroll
+    for (int j = 0; j < kValues; j += 2) *reinterpret_cast<float2*>(o_row + column(j, lane)) = make_float2(v(j), v(j + 1));
+    if ((lane & 3) == 0) *lse_row = lse;
+  }
 };
 
 // Scores of a tile -> log2 units; -inf where the row may not see the column. Row r of the 16 sits

@@ -442,10 +442,7 @@ __device__ void finish_pair(const DecodeArgs<T, Rows>& a, const PairCursor& c, c
       for (int j = 0; j < R::kValues; ++j) dst[column(j)] = from_float<T>(res.v(j));
     } else {
       const std::int64_t row = static_cast<std::int64_t>(slot) * kDecodeRows + r;
-      float* dst = a.partial_o + row * D;
-#pragma unroll
-      for (int j = 0; j < R::kValues; j += 2) *reinterpret_cast<float2*>(dst + column(j)) = make_float2(res.v(j), res.v(j + 1));
-      if ((lane & 3) == 0) a.partial_lse[row] = res.lse;
+      res.store_partial(a.partial_o + row * D, a.partial_lse + row, lane);
     }
   }
   if (!whole) merge_up<T, D>(a, c, p, worker, chunk, lane);

@@ -76,11 +76,7 @@ __device__ void write_partials(float* partial_o, float* partial_lse, int heads_q
     const R res(st, h);
     if (r >= mine.rows) continue;
     const std::int64_t row = static_cast<std::int64_t>(mine.slot(r, split)) * heads_q + mine.head(hk, r);
-    float* dst = partial_o + row * D;
-#pragma unroll
-    for (int j = 0; j < R::kValues; j += 2)
-      *reinterpret_cast<float2*>(dst + R::column(j, lane)) = make_float2(res.v(j), res.v(j + 1));
-    if ((lane & 3) == 0) partial_lse[row] = res.lse;
+    res.store_partial(partial_o + row * D, partial_lse + row, lane);
   }
 }
 

@@ -192,30 +192,27 @@ class TableAttention {
   // The dynamic shared-memory limit is raised right before each launch, in the same code as the
   // launch: a template kernel instantiated in several translation units has one registration per
   // unit, and an attribute set through one unit's kernel pointer does not reach another's.
+  // Launches `kernel` with `smem` bytes of dynamic shared memory (the limit raised first).
+  template <class Kernel, class Args>
+  static Status launch(Kernel* kernel, int grid, int threads, int smem, cudaStream_t stream, const Args& args) {
+    CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<grid, threads, smem, stream>>>(args);
+    return detail::last_launch();
+  }
   template <int D>
   Status launch_decode(const kernels::DecodeArgs<T, Rows>& a, cudaStream_t stream) const {
-    auto* kernel = kernels::decode_attention<T, D, kDecode<D>.stages, kDecode<D>.warps, Rows>;
-    constexpr int smem = kernels::decode_smem_bytes<D, kDecode<D>.stages, kDecode<D>.warps>();
-    CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<decode_grid_, kDecode<D>.warps * 32, smem, stream>>>(a);
-    return detail::last_launch();
+    return launch(kernels::decode_attention<T, D, kDecode<D>.stages, kDecode<D>.warps, Rows>, decode_grid_,
+                  kDecode<D>.warps * 32, kernels::decode_smem_bytes<D, kDecode<D>.stages, kDecode<D>.warps>(), stream, a);
   }
   template <int D>
   Status launch_prefill(const kernels::PrefillArgs<T, Rows>& a, cudaStream_t stream) const {
-    auto* kernel = kernels::prefill_attention<T, D, kPrefillStages<D>, Rows>;
-    constexpr int smem = kernels::prefill_smem_bytes<D, kPrefillStages<D>>();
-    CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<prefill_grid_, kernels::kPrefillThreads, smem, stream>>>(a);
-    return detail::last_launch();
+    return launch(kernels::prefill_attention<T, D, kPrefillStages<D>, Rows>, prefill_grid_, kernels::kPrefillThreads,
+                  kernels::prefill_smem_bytes<D, kPrefillStages<D>>(), stream, a);
   }
-
   template <int D>
   Status launch_shared(const kernels::SharedArgs<T, Rows>& a, cudaStream_t stream) const {
-    auto* kernel = kernels::shared_prefix_attention<T, D, kPrefillStages<D>, Rows>;
-    constexpr int smem = kernels::prefill_smem_bytes<D, kPrefillStages<D>>();
-    CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<shared_grid_, kernels::kPrefillThreads, smem, stream>>>(a);
-    return detail::last_launch();
+    return launch(kernels::shared_prefix_attention<T, D, kPrefillStages<D>, Rows>, shared_grid_, kernels::kPrefillThreads,
+                  kernels::prefill_smem_bytes<D, kPrefillStages<D>>(), stream, a);
   }
 
   TableShape shape_;
