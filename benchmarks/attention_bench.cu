@@ -6,6 +6,8 @@
 //   decode  N x L: N sequences holding L cells each, one new token per sequence; effective TB/s =
 //           live K+V bytes (N L H_kv D 2 bytes x 2) / time of one attention call (write excluded)
 //   prefill N x L: one step of N sequences x L tokens, causal; useful TFLOP/s = 4 N L(L+1)/2 H_q D / time
+//   decode_forks N x 4k_shared: one 4,096-token prompt and N - 1 forks, one new token each; logical
+//           TB/s = N x 4,097 rows of K+V / time (with and without prefix sharing)
 //   overhead: declare + upload (step block, each window's work, position-table writes) of 256 decode tokens
 //           over 256k cells, wall time from declare to the stream being idle
 //
@@ -112,6 +114,27 @@ void bench_prefill(const Options& o, const char* impl, std::int32_t n, std::int3
   bench::emit(o.out, "prefill", shape_name(n, len), impl, ms, flops / (ms * 1e-3) / 1e12, "TFLOP/s");
 }
 
+// Forks: one 4,096-token prompt and n - 1 forks of it (n sequences holding the same 4,096 cells),
+// one new token each. Logical TB/s = n x 4,097 rows of K+V / time (what each fork sees); with
+// prefix sharing the shared rows are read once for all forks.
+template <class Cache>
+void bench_forks(const Options& o, const char* impl, std::int32_t n, bool share) {
+  const std::string shape = shape_name(n, 4096) + "_shared";
+  if (!o.wants("decode_forks", shape)) return;
+  BenchCache<Cache> bench(512, 4096 + 64 * n + 1024, n, 0);
+  Cache& cache = bench.cache;
+  cache.share_prefixes(share);
+  const std::int32_t root = cache.seq_new().value();
+  for (int chunk = 0; chunk < 8; ++chunk)
+    if (!cache.declare_step(std::vector<std::int32_t>(512, root)).ok()) throw std::runtime_error("prompt refused");
+  std::vector<std::int32_t> ids{root};
+  for (std::int32_t f = 1; f < n; ++f) ids.push_back(cache.seq_clone(root, 4096).value());
+  gpu::Stream stream;
+  const double ms = time_step(cache, ids, stream, 20, o.quick ? 5 : 15);
+  const double bytes = static_cast<double>(n) * 4097 * kHkv * kD * 2 * 2;
+  bench::emit(o.out, "decode_forks", shape, impl, ms, bytes / (ms * 1e-3) / 1e12, "TB/s");
+}
+
 // Per-step overhead: 256 decode tokens over 256k cells (256 sequences of ~1000 tokens).
 void bench_overhead(const Options& o) {
   if (!o.only.empty()) return;
@@ -170,6 +193,10 @@ int main(int argc, char** argv) {
       bench_decode<Slots>(o, "cellkv_sequence", n, len);
       bench_decode<Lowest>(o, "cellkv_cell_lowest_free", n, len);
       if (!o.quick) bench_decode<Clustered>(o, "cellkv_cell_masked_reference", n, len, true);
+    }
+    for (const std::int32_t n : {16, 64, 128}) {
+      bench_forks<Clustered>(o, "cellkv_cell_clustered", n, true);
+      bench_forks<Clustered>(o, "cellkv_cell_clustered_unshared", n, false);
     }
     for (const auto& [n, len] : prefill) {
       bench_prefill<Clustered>(o, "cellkv_cell_clustered", n, len);

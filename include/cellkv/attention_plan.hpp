@@ -28,7 +28,7 @@ namespace cellkv {
 inline constexpr std::int32_t kDecodeRows = 16;   // query rows (token x head) of a decode item
 inline constexpr std::int32_t kPrefillRows = 64;  // query rows of a prefill item
 inline constexpr std::int32_t kPrefillTile = 64;  // positions per KV tile of the prefill kernel
-inline constexpr std::int32_t kMinDecodeChunk = 4;  // a decode worker takes at least this many tiles
+inline constexpr std::int32_t kMinDecodeChunk = 1;  // a decode worker takes at least this many tiles
 
 // Positions per KV tile of the decode kernel for a head dim: CELLKV_DECODE_TILE_BYTES (4 KB) of K
 // (and of V) per tile, at least 16: 32, 16 and 16 positions for D = 64, 128 and 256. Each divides
@@ -41,15 +41,25 @@ constexpr std::int32_t decode_tile_positions(std::int32_t head_dim) noexcept {
   return n < 16 ? 16 : n;
 }
 
-// KV tiles [first, first + count) of `tile` positions that queries at positions [first_q, last_q]
-// see through `window`.
 struct TileSpan {
   std::int32_t first = 0;
   std::int32_t count = 0;
 };
+
+// Positions a segment's queries at [first_q, last_q] read themselves through `window`: what they
+// see, less the shared prefix [0, own_begin) that shared items read for them (prefix_sharing.hpp).
+CELLKV_HOST_DEVICE constexpr PositionRange own_positions(std::int32_t window, std::int32_t first_q, std::int32_t last_q,
+                                                         std::int32_t own_begin = 0) noexcept {
+  const std::int32_t lo = visible_begin(window, first_q);
+  return {lo > own_begin ? lo : own_begin, last_q};
+}
+
+// KV tiles [first, first + count) of `tile` positions that queries at positions [first_q, last_q]
+// read through `window`, from position own_begin on (a multiple of kPagePositions, so no tile is
+// cut by it).
 CELLKV_HOST_DEVICE constexpr TileSpan tiles_seen(std::int32_t window, std::int32_t first_q, std::int32_t last_q,
-                                                 std::int32_t tile) noexcept {
-  const std::int32_t lo = visible_begin(window, first_q) / tile;
+                                                 std::int32_t tile, std::int32_t own_begin = 0) noexcept {
+  const std::int32_t lo = own_positions(window, first_q, last_q, own_begin).begin / tile;
   return {lo, last_q / tile - lo + 1};
 }
 
@@ -88,15 +98,16 @@ constexpr std::int64_t max_prefill_items(std::int32_t max_write, std::int32_t gr
 }
 
 // Plans one window's work from the step's segments.
-inline void plan_window(std::span<const Segment> segments, std::int32_t window, const AttentionShape& shape,
-                        const WindowWork& out) {
+// own_begin: per segment, the first position it reads itself (nullptr: 0 for every segment).
+inline void plan_window(std::span<const Segment> segments, const std::int32_t* own_begin, std::int32_t window,
+                        const AttentionShape& shape, const WindowWork& out) {
   std::int32_t decode = 0, prefill = 0, tiles = 0;
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const Segment& s = segments[i];
     if (is_decode(s, shape.group)) {
       out.decode_seg[decode] = static_cast<std::int32_t>(i);
       out.decode_prefix[decode++] = tiles;
-      tiles += tiles_seen(window, s.pos0, s.pos0 + s.len - 1, shape.decode_tile).count;
+      tiles += tiles_seen(window, s.pos0, s.pos0 + s.len - 1, shape.decode_tile, own_begin ? own_begin[i] : 0).count;
     } else {
       // Last rows first: they see the most, so the longest items start earliest.
       const std::int32_t rows = s.len * shape.group, items = (rows + kPrefillRows - 1) / kPrefillRows;

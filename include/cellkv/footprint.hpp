@@ -3,14 +3,16 @@
 //
 //   kv_pools        2 x layers x (rows + 1) x H_kv x D x element bytes   K and V of every layer,
 //                   rows = max_cells (cell layout) or max_seqs x max_len (sequence layout), + scratch row
-//   step_block      StepBlockLayout(step_block_shape(...)).bytes          (step_block.hpp)
+//   step_block      StepBlockLayout(step_block_shape(...)).bytes          (step_block.hpp; with the
+//                   shared-prefix part when the cache shares prefixes)
 //   position_table  4 x PositionTable::flat_size(max_seqs, max_cells)    cell layout
 //   masks           windows x max_write x max_cells (bool)                cell layout, when built
 //
-// Not counted: the table kernels' scratch (partial softmax results of the decode kernel, sized
-// from the device: 2 x SMs x resident decode blocks per SM x warps x 16 x (D + 1) floats, about
-// 17 MB per resident block per SM on an H200 for D = 128 or 256), and host memory (the pinned
-// staging of two step blocks, the fault word).
+// Not counted: the table kernels' scratch (partial softmax results: of the decode kernel, sized
+// from the device, 2 x SMs x resident decode blocks per SM x warps x 16 x (D + 1) floats, about
+// 17 MB per resident block per SM on an H200 for D = 128 or 256; of the shared-prefix kernel,
+// shared_slot_capacity(max_write) x H_q x (D + 1) floats, at most 2048 x H_q x (D + 1) x 4 bytes),
+// and host memory (the pinned staging of two step blocks, the fault word).
 // Every size is computed in size_t; a configuration whose sizes overflow is refused.
 #pragma once
 
@@ -40,6 +42,14 @@ struct Footprint {
   friend bool operator==(const Footprint&, const Footprint&) = default;
 };
 
+// What the device side of a cache builds besides its pools and position table; the device cache
+// type decides it (DeviceShard::footprint).
+struct DeviceParts {
+  std::size_t element_bytes = 0;  // bytes of one K or V element
+  bool masks = false;             // the dense masks (cell layout)
+  bool shared_prefixes = false;   // the step block's shared-prefix part (cell layout)
+};
+
 namespace detail {
 // The product of the factors, or nothing when it overflows size_t.
 inline std::optional<std::size_t> size_product(std::initializer_list<std::size_t> factors) noexcept {
@@ -62,31 +72,29 @@ inline std::optional<std::size_t> size_sum(std::initializer_list<std::size_t> te
 }  // namespace detail
 
 // The device bytes a shard of `shape` (its own heads) of a device cache planned by `Host` (a
-// CellCache) allocates for `config`, with elements of `element_bytes` bytes; `masks`: count the
-// dense masks (cell layout; the device cache builds them on request or for the reference kernel).
-// Refuses what Host::validate refuses, a non-positive layer, head or head-dim count (bad_shape),
-// element_bytes 0 (bad_argument), and sizes that overflow (size_overflow).
+// CellCache) allocates for `config`, with the parts `parts` says it builds. Refuses what
+// Host::validate refuses, a non-positive layer, head or head-dim count (bad_shape), an element
+// size of 0 (bad_argument), and sizes that overflow (size_overflow).
 template <class Host>
-Result<Footprint> device_footprint(const CacheConfig& config, const PoolShape& shape, std::size_t element_bytes,
-                                   bool masks) {
+Result<Footprint> device_footprint(const CacheConfig& config, const PoolShape& shape, const DeviceParts& parts) {
   constexpr bool kCells = std::is_same_v<typename Host::Layout, layout::cell>;
   if (const Status s = Host::validate(config); !s.ok()) return s.code();
   if (shape.layers < 1 || shape.heads_kv < 1 || shape.head_dim < 1 || shape.heads_q < 0) return Errc::bad_shape;
-  if (element_bytes == 0) return Errc::bad_argument;
-  const Result<StepBlockShape> block = step_block_shape<Host>(config, shape);
+  if (parts.element_bytes == 0) return Errc::bad_argument;
+  const Result<StepBlockShape> block = step_block_shape<Host>(config, shape, parts.shared_prefixes);
   if (!block.ok()) return block.status().code();
 
   const std::int32_t seqs = config.max_seqs == 0 ? Host::kMaxSeqs : config.max_seqs;
   const auto rows = kCells ? static_cast<std::size_t>(config.max_cells)
                            : static_cast<std::size_t>(seqs) * static_cast<std::size_t>(config.max_len);
   const auto size = [](std::int64_t n) { return static_cast<std::size_t>(n); };
-  const std::optional<std::size_t> kv =
-      detail::size_product({2, size(shape.layers), rows + 1, size(shape.heads_kv), size(shape.head_dim), element_bytes});
+  const std::optional<std::size_t> kv = detail::size_product(
+      {2, size(shape.layers), rows + 1, size(shape.heads_kv), size(shape.head_dim), parts.element_bytes});
   const std::optional<std::size_t> table =
       kCells ? detail::size_product({sizeof(std::int32_t), size(PositionTable::flat_size(seqs, config.max_cells))})
              : std::optional<std::size_t>{0};
   const std::optional<std::size_t> mask_bytes =
-      kCells && masks
+      kCells && parts.masks
           ? detail::size_product({size(Host::Windows::kDistinct), size(config.max_write), size(config.max_cells)})
           : std::optional<std::size_t>{0};
   if (!kv || !table || !mask_bytes) return Errc::size_overflow;

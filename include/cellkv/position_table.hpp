@@ -68,6 +68,8 @@ class PositionTable {
   }
 
   // ---- lookups ----
+  // Sequences holding page `page` (0: free); more than one means the page is shared by forks.
+  [[nodiscard]] std::int32_t holders(std::int32_t page) const noexcept { return refs_[static_cast<std::size_t>(page)]; }
   [[nodiscard]] std::int32_t length(std::int32_t seq) const noexcept { return length_[static_cast<std::size_t>(seq)]; }
   // Cell of position pos of seq; precondition 0 <= pos < length(seq).
   [[nodiscard]] std::int32_t cell(std::int32_t seq, std::int32_t pos) const noexcept { return view().cell(seq, pos); }

@@ -9,6 +9,10 @@
 //   work          per window buffer: counts int32 [2], decode_seg int32 [max_write],
 //                 decode_prefix int32 [max_write + 1], prefill PrefillItem [max_prefill]
 //   ranges        RowRange [windows][max_write]   sequence layout only (reference kernel)
+//   shared        the step's shared prefixes (SharedWork, prefix_sharing.hpp), from a 16-byte
+//                 boundary: counts int32 [4], own_begin int32 [max_write], token_slots SlotRange
+//                 [max_write], runs SharedRun [max_runs], run_tokens, run_slot, run_extra int32
+//                 [shared_slots], items SharedItem [shared_slots]    cell layout with the table kernels
 //   table writes  TableWrite [max_table_writes]   cell layout only; only the used ones are copied
 //
 // cuda/step_views.hpp names the device address of every part; docs/design.md section 5.
@@ -23,6 +27,7 @@
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/layout.hpp"
 #include "cellkv/pool_view.hpp"
+#include "cellkv/prefix_sharing.hpp"
 #include "cellkv/status.hpp"
 #include "cellkv/step_plan.hpp"
 
@@ -41,12 +46,23 @@ struct StepBlockShape {
   std::int32_t max_prefill = 0;       // prefill items per window
   bool ranges = false;                // sequence layout: per-window row ranges
   std::int32_t max_table_writes = 0;  // position-table writes one upload carries (cell layout)
+  std::int32_t max_runs = 0;          // shared-prefix runs per step (cell layout; 0: no sharing)
+  std::int32_t shared_slots = 0;      // shared-prefix partial slots (and run tokens, items) per step
 };
+
+// Shared-prefix partial slots a cache of max_write tokens per step provides: 2 max_write,
+// within [256, 2048] (a 64-fork decode step of a 4k prefix needs 64 x 8).
+constexpr std::int32_t shared_slot_capacity(std::int32_t max_write) noexcept {
+  return std::clamp(2 * std::clamp(max_write, 0, 1024), 256, 2048);
+}
 
 // Byte offsets of the step block's parts (identical on host staging and device).
 struct StepBlockLayout {
   std::size_t cells = 0, read_len = 0, tokens = 0, num_segments = 0, token_seq = 0, token_pos = 0, segments = 0,
-              work = 0, work_bytes = 0, ranges = 0, table_writes = 0, bytes = 0;
+              work = 0, work_bytes = 0, ranges = 0, shared = 0, table_writes = 0, bytes = 0;
+  // Inside the shared part: counts, own_begin, token_slots, runs, run_tokens, run_slot, run_extra,
+  // items (the list at the top of this file).
+  std::size_t own_begin = 0, token_slots = 0, runs = 0, run_tokens = 0, run_slot = 0, run_extra = 0, items = 0;
 
   explicit StepBlockLayout(const StepBlockShape& s) {
     const auto w = static_cast<std::size_t>(s.max_write);
@@ -61,8 +77,28 @@ struct StepBlockLayout {
     // (work_at) the prefill items
     work_bytes = align16(align16(4 * (2 + w + w + 1)) + sizeof(PrefillItem) * static_cast<std::size_t>(s.max_prefill));
     ranges = work + work_bytes * static_cast<std::size_t>(s.windows);
-    table_writes = align16(ranges + (s.ranges ? sizeof(RowRange) * w * static_cast<std::size_t>(s.windows) : 0));
+    shared = align16(ranges + (s.ranges ? sizeof(RowRange) * w * static_cast<std::size_t>(s.windows) : 0));
+    const auto slots = static_cast<std::size_t>(s.shared_slots);
+    own_begin = shared + 16;
+    token_slots = align16(own_begin + 4 * w);
+    runs = align16(token_slots + sizeof(SlotRange) * w);
+    run_tokens = align16(runs + sizeof(SharedRun) * static_cast<std::size_t>(s.max_runs));
+    run_slot = run_tokens + 4 * slots;
+    run_extra = run_slot + 4 * slots;
+    items = align16(run_extra + 4 * slots);
+    const std::size_t shared_end = items + sizeof(SharedItem) * slots;
+    table_writes = align16(s.shared_slots > 0 ? shared_end : shared);
     bytes = table_writes + sizeof(TableWrite) * static_cast<std::size_t>(s.max_table_writes);
+  }
+
+  // The shared-prefix arrays inside a block at `base` (all null without sharing).
+  [[nodiscard]] SharedWork shared_at(std::byte* base, const StepBlockShape& s) const {
+    if (s.shared_slots == 0) return {};
+    auto ints = [&](std::size_t at) { return reinterpret_cast<std::int32_t*>(base + at); };
+    return SharedWork{ints(shared),    reinterpret_cast<SharedRun*>(base + runs),
+                      ints(run_tokens), ints(run_slot),
+                      ints(run_extra),  reinterpret_cast<SharedItem*>(base + items),
+                      ints(own_begin),  reinterpret_cast<SlotRange*>(base + token_slots)};
   }
 
   // Window buffer b's work arrays inside a block at `base`.
@@ -80,10 +116,12 @@ struct StepBlockLayout {
 
 // The step block of a device cache planned by a `Host` (a CellCache) for a shard of `shape`:
 // max_write tokens, one work area per distinct window, the prefill items of the shard's GQA group,
-// row ranges (sequence layout) or room for max(4 max_write, 4096) table writes (cell layout).
-// Refuses max_write < 1 (bad_argument) and counts past int32 (size_overflow).
+// row ranges (sequence layout) or room for max(4 max_write, 4096) table writes (cell layout), and
+// with `shared_prefixes` (cell layout, the table kernels' element types) max_write shared-prefix
+// runs and shared_slot_capacity(max_write) slots. Refuses max_write < 1 (bad_argument) and counts
+// past int32 (size_overflow).
 template <class Host>
-Result<StepBlockShape> step_block_shape(const CacheConfig& config, const PoolShape& shape) {
+Result<StepBlockShape> step_block_shape(const CacheConfig& config, const PoolShape& shape, bool shared_prefixes) {
   constexpr bool kCells = std::is_same_v<typename Host::Layout, layout::cell>;
   constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
   if (config.max_write < 1) return Errc::bad_argument;
@@ -91,8 +129,14 @@ Result<StepBlockShape> step_block_shape(const CacheConfig& config, const PoolSha
   const std::int64_t prefill = max_prefill_items(config.max_write, group);
   const std::int64_t table_writes = kCells ? std::max<std::int64_t>(4 * std::int64_t{config.max_write}, 4096) : 0;
   if (prefill > kInt32Max || table_writes > kInt32Max) return Errc::size_overflow;
-  return StepBlockShape{config.max_write, Host::Windows::kDistinct, static_cast<std::int32_t>(prefill), !kCells,
-                        static_cast<std::int32_t>(table_writes)};
+  const bool sharing = kCells && shared_prefixes;
+  return StepBlockShape{config.max_write,
+                        Host::Windows::kDistinct,
+                        static_cast<std::int32_t>(prefill),
+                        !kCells,
+                        static_cast<std::int32_t>(table_writes),
+                        sharing ? config.max_write : 0,
+                        sharing ? shared_slot_capacity(config.max_write) : 0};
 }
 
 }  // namespace cellkv

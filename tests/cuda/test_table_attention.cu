@@ -2,7 +2,8 @@
 // ranges, both reading K/V rows through the position tables) against the float64 host reference
 // and the reference kernel on random scenarios: both layouts, three placements, forks, rewinds,
 // removals, refilled holes, windows, long churn near full occupancy, T from 1 to max_write, bf16
-// and fp16, head dims 64/128/256, GQA ratios 1, 4 and 8. Padding rows are zeros.
+// and fp16, head dims 64/128/256, GQA ratios 1, 4 and 8. Padding rows are zeros. Shared prefixes
+// of fork trees (read once per step by the shared-prefix kernel) against the same oracles.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -115,8 +116,71 @@ void churn_run(Shape sh, std::uint64_t seed, int churn_steps, int checked_steps)
   require_device_ok();
 }
 
+// Shared prefixes: random fork trees (depth up to 4, forks at any offset, inside a tile or at its
+// edges, rewinds below the fork point, sources removed while forks live), then checked steps of
+// decode tokens and prompt chunks of many forks at once. Windows 150 and 700 cut through shared
+// runs. Returns the number of checked steps whose plan had shared items.
+template <class Cache>
+int fork_tree_run(Shape sh, std::uint64_t seed, int checked_steps) {
+  Cache cache({.max_write = sh.max_write, .max_cells = sh.max_cells, .max_seqs = 48},
+              {.layers = Cache::Windows::kLayers, .heads_kv = sh.heads_kv, .head_dim = sh.head_dim, .heads_q = sh.heads_q});
+  REQUIRE(cache.fast());
+  ForwardHarness<Cache> harness(cache, sh.heads_q, sh.max_write);
+  gpu::Stream stream;
+  std::mt19937_64 rng(seed);
+  auto pick = [&](std::int32_t n) { return static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(n)); };
+  auto fill = [&](std::int32_t seq, std::int32_t n) {  // n tokens of seq, K/V written, unchecked
+    for (; n > 0; n -= sh.max_write) {
+      const std::int32_t chunk = std::min(n, sh.max_write);
+      REQUIRE(cache.declare_step(std::vector<std::int32_t>(static_cast<std::size_t>(chunk), seq)).ok());
+      REQUIRE(cache.upload(stream).ok());
+      harness.write_step(chunk, rng, stream);
+      REQUIRE(cache.commit(stream).ok());
+    }
+  };
+  std::vector<std::pair<std::int32_t, int>> live;  // (sequence, fork depth)
+  const std::int32_t root = cache.seq_new().value();
+  fill(root, 200 + pick(700));
+  live.push_back({root, 0});
+  int shared_steps = 0;
+  for (int step = 0; step < checked_steps; ++step) {
+    CAPTURE(seed);
+    CAPTURE(step);
+    for (int verbs = 1 + pick(3); verbs-- > 0;) {
+      const std::size_t i = static_cast<std::size_t>(pick(static_cast<std::int32_t>(live.size())));
+      const auto [s, depth] = live[i];
+      const std::int32_t pos = cache.host().pos(s).value(), action = pick(10);
+      if (action < 6 && depth < 4 && live.size() < 24) {
+        const std::int32_t at_choices[] = {pos, pos / 64 * 64, pick(pos + 1), std::max(0, pos - pick(70))};
+        const std::int32_t fork = cache.seq_clone(s, at_choices[pick(4)]).value();
+        live.push_back({fork, depth + 1});
+        fill(fork, pick(90));
+      } else if (action < 8) {
+        REQUIRE(cache.rewind(s, pick(pos + 1)).ok());
+      } else if (live.size() > 2) {
+        REQUIRE(cache.seq_rm(s).ok());
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+    }
+    std::vector<std::int32_t> ids;
+    for (const auto& [s, depth] : live) {
+      const std::int32_t n = pick(4) == 0 ? 2 + pick(12) : 1;
+      if (static_cast<std::int32_t>(ids.size()) + n > sh.max_write) break;
+      ids.insert(ids.end(), static_cast<std::size_t>(n), s);
+    }
+    REQUIRE(cache.declare_step(ids).ok());
+    checked_step(cache, harness, static_cast<std::int32_t>(ids.size()), sh.max_write, rng, stream);
+    shared_steps += cache.shard().work_counts(0).value().shared > 0 ? 1 : 0;
+  }
+  require_device_ok();
+  return shared_steps;
+}
+
 template <class T, class Placement>
 using Cells = gpu::DeviceCache<layout::cell, T, Model, Placement, 16>;
+using ForkModel = Windows<0, 150, 700>;
+template <class T, class Placement>
+using ForkCells = gpu::DeviceCache<layout::cell, T, ForkModel, Placement, 48>;
 template <class T>
 using Slots = gpu::DeviceCache<layout::sequence, T, Model, placement::lowest_free, 16>;
 
@@ -245,4 +309,56 @@ TEST_CASE("table kernels and the reference kernel agree; masks on request equal 
       CHECK(got == want);
     }
   }
+}
+
+TEST_CASE("shared prefixes: random fork trees read their shared runs once, same outputs as the host reference") {
+  // bf16 D 128 GQA 4, clustered<64>; fp16 D 64 GQA 8, lowest_free (interleaved); bf16 D 256 GQA 1.
+  CHECK(fork_tree_run<ForkCells<__nv_bfloat16, placement::clustered<64>>>({16, 4, 128, 64, 6000}, 201, 25) >= 5);
+  CHECK(fork_tree_run<ForkCells<__half, placement::lowest_free>>({16, 2, 64, 48, 6000}, 202, 25) >= 5);
+  CHECK(fork_tree_run<ForkCells<__nv_bfloat16, placement::clustered<16>>>({4, 4, 256, 40, 5000}, 203, 15) >= 5);
+}
+
+TEST_CASE("shared prefixes: forks decoding off one prompt give the same outputs with and without sharing") {
+  using Cache = ForkCells<__nv_bfloat16, placement::clustered<64>>;
+  const CacheConfig config{.max_write = 64, .max_cells = 8000, .max_seqs = 48};
+  const gpu::PoolShape shape{.layers = ForkModel::kLayers, .heads_kv = 2, .head_dim = 128, .heads_q = 16};
+  Cache shared(config, shape), plain(config, shape);
+  plain.share_prefixes(false);
+  ForwardHarness<Cache> hs(shared, 16, 64), hp(plain, 16, 64);
+  gpu::Stream stream;
+  std::mt19937_64 data_s(3), data_p(3);
+  std::vector<std::int32_t> ids;  // the root and its forks (the same ids in both caches: same verbs)
+  for (Cache* c : {&shared, &plain}) {
+    auto& h = c == &shared ? hs : hp;
+    auto& data = c == &shared ? data_s : data_p;
+    const std::int32_t root = c->seq_new().value();
+    ids = {root};
+    for (int chunk = 0; chunk < 20; ++chunk) {  // a 1280-token prompt
+      REQUIRE(c->declare_step(std::vector<std::int32_t>(64, root)).ok());
+      REQUIRE(c->upload(stream).ok());
+      h.write_step(64, data, stream);
+      REQUIRE(c->commit(stream).ok());
+    }
+    for (int f = 0; f < 39; ++f) ids.push_back(c->seq_clone(root, 1280 - (f % 3) * 17).value());  // at and below the end
+  }
+  for (int step = 0; step < 6; ++step) {
+    CAPTURE(step);
+    REQUIRE(shared.declare_step(ids).ok());
+    REQUIRE(plain.declare_step(ids).ok());
+    hs.new_inputs(40, data_s);
+    hp.new_inputs(40, data_p);
+    REQUIRE(shared.upload(stream).ok());
+    REQUIRE(plain.upload(stream).ok());
+    CHECK(shared.shard().work_counts(0).value().shared > 0);
+    CHECK(plain.shard().work_counts(0).value().shared == 0);
+    hs.device_forward(40, stream);
+    hp.device_forward(40, stream);
+    REQUIRE(shared.commit(stream).ok());
+    REQUIRE(plain.commit(stream).ok());
+    stream.synchronize();
+    CHECK(hs.check_against_reference() <= tolerance<__nv_bfloat16>());
+    CHECK(hp.check_against_reference() <= tolerance<__nv_bfloat16>());
+    CHECK(max_relative_difference(hs.outputs(), hp.outputs(), 128) <= tolerance<__nv_bfloat16>());
+  }
+  require_device_ok();
 }

@@ -1,8 +1,9 @@
 // device_footprint (footprint.hpp) against the sizes written out here from the documented layout
 // of a shard's device memory (docs/design.md section 5): K and V of every layer with one scratch
 // row, the step block part by part (its offsets as step_block.hpp lists them, with the element
-// sizes written as numbers), the position table's directory and pages, and the dense masks. Also
-// one configuration worked out by hand, and one test per refusal.
+// sizes written as numbers, with and without the shared-prefix part), the position table's
+// directory and pages, and the dense masks. Also one configuration worked out by hand, and one
+// test per refusal.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -27,7 +28,8 @@ struct Expected {
 // The footprint from first principles. cell: the cell layout (else the sequence layout); windows:
 // distinct windows; seqs: max_seqs after defaulting.
 Expected expected(bool cell, std::int32_t windows, std::int32_t seqs, const CacheConfig& c, const PoolShape& s,
-                  std::uint64_t element_bytes, bool masks) {
+                  const DeviceParts& parts) {
+  const std::uint64_t element_bytes = parts.element_bytes;
   const std::uint64_t w = static_cast<std::uint64_t>(c.max_write);
   const std::uint64_t rows = cell ? static_cast<std::uint64_t>(c.max_cells)
                                   : static_cast<std::uint64_t>(seqs) * static_cast<std::uint64_t>(c.max_len);
@@ -44,22 +46,31 @@ Expected expected(bool cell, std::int32_t windows, std::int32_t seqs, const Cach
   const std::uint64_t work_each = align16(align16(4 * (2 + w + w + 1)) + 8 * prefill);
   const std::uint64_t ranges_end = align16(segments_end) + work_each * static_cast<std::uint64_t>(windows) +
                                    (cell ? 0 : 8 * w * static_cast<std::uint64_t>(windows));
+  // Shared prefixes (cell layout, when built), from a 16-byte boundary: 4 int32 counts, own_begin
+  // int32[w], 16-byte aligned token_slots (2 int32)[w], 16-byte aligned runs (6 int32)[w], 16-byte
+  // aligned run_tokens, run_slot, run_extra int32[slots], 16-byte aligned items (3 int32)[slots];
+  // slots = 2 w within [256, 2048].
+  const std::uint64_t slots = std::clamp<std::uint64_t>(2 * w, 256, 2048);
+  const std::uint64_t shared_end =
+      align16(align16(align16(align16(align16(ranges_end) + 16 + 4 * w) + 8 * w) + 24 * w) + 12 * slots) + 12 * slots;
+  const std::uint64_t writes_at = cell && parts.shared_prefixes ? align16(shared_end) : align16(ranges_end);
   const std::uint64_t table_writes = cell ? std::max<std::uint64_t>(4 * w, 4096) : 0;
-  const std::uint64_t block = align16(ranges_end) + 8 * table_writes;
+  const std::uint64_t block = writes_at + 8 * table_writes;
   // Position table: a directory of ceil(max_cells / 64) page ids per sequence, then
   // ceil(max_cells / 64) + 2 max_seqs pages of 64 cell ids, all int32.
   const std::uint64_t pages = (static_cast<std::uint64_t>(c.max_cells) + 63) / 64;
   const std::uint64_t table = cell ? 4 * (static_cast<std::uint64_t>(seqs) * pages + (pages + 2 * static_cast<std::uint64_t>(seqs)) * 64) : 0;
-  const std::uint64_t mask_bytes = cell && masks ? static_cast<std::uint64_t>(windows) * w * static_cast<std::uint64_t>(c.max_cells) : 0;
+  const std::uint64_t mask_bytes =
+      cell && parts.masks ? static_cast<std::uint64_t>(windows) * w * static_cast<std::uint64_t>(c.max_cells) : 0;
   return {kv, block, table, mask_bytes};
 }
 
 template <class Host>
-void check_against_formula(const CacheConfig& c, const PoolShape& s, std::uint64_t element_bytes, bool masks) {
+void check_against_formula(const CacheConfig& c, const PoolShape& s, const DeviceParts& parts) {
   constexpr bool kCell = std::is_same_v<typename Host::Layout, layout::cell>;
   const std::int32_t seqs = c.max_seqs == 0 ? Host::kMaxSeqs : c.max_seqs;
-  const Expected want = expected(kCell, Host::Windows::kDistinct, seqs, c, s, element_bytes, masks);
-  const Result<Footprint> got = device_footprint<Host>(c, s, element_bytes, masks);
+  const Expected want = expected(kCell, Host::Windows::kDistinct, seqs, c, s, parts);
+  const Result<Footprint> got = device_footprint<Host>(c, s, parts);
   REQUIRE(got.ok());
   CHECK(got.value().kv_pools == want.kv);
   CHECK(got.value().step_block == want.block);
@@ -83,33 +94,41 @@ TEST_CASE("footprint: one cell-layout configuration worked out by hand") {
   // KV: 2 x 3 layers x 101 rows x 2 heads x 64 x 2 bytes = 155136. Table: 8 x 2 directory
   // entries + (2 + 16) pages x 64 = 1168 ints = 4672 bytes. Masks: 2 x 7 x 100 = 1400.
   const CacheConfig c{.max_write = 7, .max_cells = 100};
-  const Result<Footprint> f = device_footprint<CellHost>(c, kShape, 2, true);
+  const Result<Footprint> f = device_footprint<CellHost>(c, kShape, {.element_bytes = 2, .masks = true});
   REQUIRE(f.ok());
   CHECK(f.value() == Footprint{155136, 33296, 4672, 1400, 155136 + 33296 + 4672 + 1400});
-  CHECK(device_footprint<CellHost>(c, kShape, 2, false).value().total == 155136 + 33296 + 4672);
+  CHECK(device_footprint<CellHost>(c, kShape, {.element_bytes = 2}).value().total == 155136 + 33296 + 4672);
+  // Shared prefixes: 256 slots; from 528: counts 16 and own_begin 28 bytes to 572, token_slots
+  // from 576 (56 bytes), runs from 640 (7 x 24 = 168 bytes), run_tokens, run_slot and run_extra
+  // from 816 (3 x 1024 bytes), items from 3888 (256 x 12 bytes) to 6960; table writes from 6960.
+  CHECK(device_footprint<CellHost>(c, kShape, {.element_bytes = 2, .shared_prefixes = true}).value().step_block ==
+        6960 + 32768);
 }
 
 TEST_CASE("footprint: both layouts, masks, defaulted max_seqs, GQA groups and element sizes against the formula") {
   for (const bool masks : {false, true}) {
-    for (const std::uint64_t bytes : {2u, 4u}) {
-      check_against_formula<CellHost>({.max_write = 7, .max_cells = 100}, kShape, bytes, masks);
-      check_against_formula<CellHost>({.max_write = 1, .max_cells = 1, .max_seqs = 3}, kShape, bytes, masks);
-      check_against_formula<CellHost>({.max_write = 3000, .max_cells = 65537, .max_seqs = 0},
-                                      {.layers = 2, .heads_kv = 1, .head_dim = 256, .heads_q = 64}, bytes, masks);
-      check_against_formula<CellHost>({.max_write = 17, .max_cells = 640}, {.layers = 1, .heads_kv = 4, .head_dim = 128},
-                                      bytes, masks);  // heads_q unknown: group 1
-      check_against_formula<SeqHost>({.max_write = 5, .max_seqs = 3, .max_len = 33}, kShape, bytes, masks);
-      check_against_formula<SeqHost>({.max_write = 129, .max_len = 1000},
-                                     {.layers = 5, .heads_kv = 8, .head_dim = 128, .heads_q = 32}, bytes, masks);
+    for (const bool shared : {false, true}) {
+      for (const std::size_t bytes : {2u, 4u}) {
+        const DeviceParts parts{bytes, masks, shared};
+        check_against_formula<CellHost>({.max_write = 7, .max_cells = 100}, kShape, parts);
+        check_against_formula<CellHost>({.max_write = 1, .max_cells = 1, .max_seqs = 3}, kShape, parts);
+        check_against_formula<CellHost>({.max_write = 3000, .max_cells = 65537, .max_seqs = 0},
+                                        {.layers = 2, .heads_kv = 1, .head_dim = 256, .heads_q = 64}, parts);
+        check_against_formula<CellHost>({.max_write = 17, .max_cells = 640},
+                                        {.layers = 1, .heads_kv = 4, .head_dim = 128}, parts);  // heads_q unknown: group 1
+        check_against_formula<SeqHost>({.max_write = 5, .max_seqs = 3, .max_len = 33}, kShape, parts);
+        check_against_formula<SeqHost>({.max_write = 129, .max_len = 1000},
+                                       {.layers = 5, .heads_kv = 8, .head_dim = 128, .heads_q = 32}, parts);
+      }
     }
   }
 }
 
 TEST_CASE("footprint refuses a configuration the host cache refuses") {
-  CHECK(device_footprint<CellHost>({.max_write = 0, .max_cells = 100}, kShape, 2, false).status() == Errc::bad_argument);
-  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 100, .max_seqs = 9}, kShape, 2, false).status() ==
+  CHECK(device_footprint<CellHost>({.max_write = 0, .max_cells = 100}, kShape, {.element_bytes = 2}).status() == Errc::bad_argument);
+  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 100, .max_seqs = 9}, kShape, {.element_bytes = 2}).status() ==
         Errc::bad_argument);  // more than MaxSeqs = 8
-  CHECK(device_footprint<SeqHost>({.max_write = 4, .max_len = 0}, kShape, 2, false).status() == Errc::bad_argument);
+  CHECK(device_footprint<SeqHost>({.max_write = 4, .max_len = 0}, kShape, {.element_bytes = 2}).status() == Errc::bad_argument);
 }
 
 TEST_CASE("footprint refuses a non-positive layer, head or head-dim count") {
@@ -120,31 +139,34 @@ TEST_CASE("footprint refuses a non-positive layer, head or head-dim count") {
     CAPTURE(bad.heads_kv);
     CAPTURE(bad.head_dim);
     CAPTURE(bad.heads_q);
-    CHECK(device_footprint<CellHost>(c, bad, 2, false).status() == Errc::bad_shape);
+    CHECK(device_footprint<CellHost>(c, bad, {.element_bytes = 2}).status() == Errc::bad_shape);
   }
 }
 
 TEST_CASE("footprint refuses an element size of 0") {
-  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 64}, kShape, 0, false).status() == Errc::bad_argument);
+  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 64}, kShape, {.element_bytes = 0}).status() ==
+        Errc::bad_argument);
 }
 
 TEST_CASE("footprint refuses pools whose byte size overflows size_t") {
   constexpr std::int32_t kMax = std::numeric_limits<std::int32_t>::max();
   // 2 x 4 layers x 4097 rows x (2^31 - 1)^2 x 2 bytes > 2^64.
   const PoolShape huge{.layers = 4, .heads_kv = kMax, .head_dim = kMax, .heads_q = kMax};
-  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 4096}, huge, 2, false).status() == Errc::size_overflow);
-  CHECK(device_footprint<SeqHost>({.max_write = 4, .max_len = 4096}, huge, 2, false).status() == Errc::size_overflow);
+  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 4096}, huge, {.element_bytes = 2}).status() ==
+        Errc::size_overflow);
+  CHECK(device_footprint<SeqHost>({.max_write = 4, .max_len = 4096}, huge, {.element_bytes = 2}).status() ==
+        Errc::size_overflow);
   // The same pools with an element size near 2^64.
-  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 4096}, kShape, std::numeric_limits<std::size_t>::max() / 2,
-                                   false)
+  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 4096}, kShape,
+                                   {.element_bytes = std::numeric_limits<std::size_t>::max() / 2})
             .status() == Errc::size_overflow);
 }
 
 TEST_CASE("footprint refuses a step block whose prefill items pass int32") {
   // max_write 2^20 tokens of group 2^17: 2^37 / 64 + 2^20 prefill items per window > 2^31 - 1.
   const PoolShape wide_group{.layers = 3, .heads_kv = 1, .head_dim = 64, .heads_q = 1 << 17};
-  CHECK(device_footprint<CellHost>({.max_write = 1 << 20, .max_cells = 1 << 20}, wide_group, 2, false).status() ==
-        Errc::size_overflow);
-  CHECK(step_block_shape<CellHost>({.max_write = 1 << 20, .max_cells = 1 << 20}, wide_group).status() ==
+  CHECK(device_footprint<CellHost>({.max_write = 1 << 20, .max_cells = 1 << 20}, wide_group, {.element_bytes = 2})
+            .status() == Errc::size_overflow);
+  CHECK(step_block_shape<CellHost>({.max_write = 1 << 20, .max_cells = 1 << 20}, wide_group, true).status() ==
         Errc::size_overflow);
 }

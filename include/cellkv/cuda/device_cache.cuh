@@ -28,7 +28,8 @@ namespace cellkv::gpu {
 
 // Planning verbs (declare_step, seq_new, seq_clone, seq_rm, rewind, clear, host()) from
 // PlanningVerbs; device verbs and state (upload, write, attend, update_and_attend, commit, pool(),
-// bindings(), mask(), width(), fast(), use_kernels(), work_counts(), footprint()) from DeviceShard.
+// bindings(), mask(), width(), fast(), use_kernels(), share_prefixes(), work_counts(),
+// footprint()) from DeviceShard.
 template <Layout L, Element T, WindowSet W, Placement P = placement::lowest_free, std::int32_t MaxSeqs = 256>
 class DeviceCache : public PlanningVerbs<CellCache<L, W, P, MaxSeqs>, DeviceCache<L, T, W, P, MaxSeqs>>,
                     public DeviceShard<L, T, W, P, MaxSeqs> {

@@ -26,6 +26,7 @@
 
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/cell_cache.hpp"
+#include "cellkv/sharing_planner.hpp"
 #include "cellkv/cuda/kernels/tile_rows.cuh"
 #include "cellkv/cuda/kv_pool.hpp"
 #include "cellkv/cuda/launch/ops.cuh"
@@ -70,7 +71,7 @@ class DeviceShard {
     if (kCells) buffers_.bindings().max_cells = host.config().max_cells;
     if constexpr (kTableKernelElement<T>)
       if (table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv))
-        table_.emplace(TableShape{shape.heads_q, shape.heads_kv, shape.head_dim});
+        table_.emplace(TableShape{shape.heads_q, shape.heads_kv, shape.head_dim, buffers_.shape().shared_slots});
   }
   DeviceShard(const DeviceShard&) = delete;
   DeviceShard& operator=(const DeviceShard&) = delete;
@@ -92,6 +93,9 @@ class DeviceShard {
   [[nodiscard]] bool fast() const noexcept { return table_.has_value() && choice_ == KernelChoice::automatic; }
   // Picks the kernels of later uploads and forwards (applies from the next upload).
   void use_kernels(KernelChoice choice) noexcept { choice_ = choice; }
+  // Whether later uploads look for prefixes that sequences of the step share (cell layout, table
+  // kernels), so each shared tile is read once per step (on by default; off for comparisons).
+  void share_prefixes(bool on) noexcept { share_prefixes_ = on; }
   // Bytes of the step block the kernels read (the table writes staged behind them excluded).
   [[nodiscard]] std::size_t step_block_bytes() const noexcept { return buffers_.layout().table_writes; }
   // Serial of the last step this shard uploaded (0: none).
@@ -109,7 +113,7 @@ class DeviceShard {
   static Result<Footprint> footprint(const CacheConfig& config, const PoolShape& shape, Masks masks = Masks::if_needed) {
     const bool reference = !table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv);
     const bool built = masks == Masks::always || (masks == Masks::if_needed && reference);
-    return device_footprint<Host>(config, shape, sizeof(T), kCells && built);
+    return device_footprint<Host>(config, shape, {sizeof(T), kCells && built, kTableKernelElement<T>});
   }
 
   // Reports (Errc::bad_device_row) and clears a fault device code set since the last report: a
@@ -217,7 +221,8 @@ class DeviceShard {
   }
 
   static StepBuffers make_buffers(const Host& host, const PoolShape& shape) {
-    const StepBlockShape s = step_block_shape<Host>(host.config(), shape).value();  // checked by footprint
+    // Refusals were checked by footprint() before the pool was allocated.
+    const StepBlockShape s = step_block_shape<Host>(host.config(), shape, kTableKernelElement<T>).value();
     if constexpr (kCells) {
       const PositionTable& t = host.table();
       return StepBuffers(s, static_cast<std::int64_t>(t.flat().size()), t.directory_entries(), t.dir_stride());
@@ -299,17 +304,35 @@ class DeviceShard {
     std::copy_n(plan.seqs.data(), T_tokens, seq);
     std::copy_n(plan.positions.data(), T_tokens, pos);
     for (std::int32_t t = plan.tokens; t < width; ++t) cells[t] = pool_.scratch_row(), seq[t] = -1, pos[t] = 0;
+    const SharedWork shared = lay.shared_at(block, buffers_.shape());
+    const std::int32_t shared_items = fast() ? plan_sharing(plan, shared) : 0;
     for (std::int32_t b = 0; b < W::kDistinct; ++b) {
       const std::int32_t window = W::kDistinctWindows[static_cast<std::size_t>(b)];
       if (fast()) {
         const WindowWork work = lay.work_at(block, b, host_.max_write());
-        plan_window(plan.segments, window, plan_shape(), work);
-        counts_[static_cast<std::size_t>(b)] = WorkCounts{work.decode_count(), work.prefill_count()};
+        plan_window(plan.segments, shared.own_begin, window, plan_shape(), work);
+        counts_[static_cast<std::size_t>(b)] = WorkCounts{work.decode_count(), work.prefill_count(), shared_items};
       } else if constexpr (!kCells) {
         auto* ranges = reinterpret_cast<RowRange*>(block + lay.ranges) + b * host_.max_write();
         for (std::int32_t t = 0; t < width; ++t) ranges[t] = t < plan.tokens ? host_.visible_range(t, window) : RowRange{};
       }
     }
+  }
+
+  // The step's shared prefixes into the staging block (cell layout; none when sharing is off);
+  // returns the shared items.
+  std::int32_t plan_sharing(const StepPlan& plan, const SharedWork& out) {
+    if (out.counts == nullptr) return 0;
+    if constexpr (kCells && kTableKernelElement<T>) {
+      if (share_prefixes_) {
+        planner_.plan(plan.segments, host_.table(), table_->sharing_shape(buffers_.shape().max_runs), out);
+        return out.item_count();
+      }
+    }
+    out.counts[0] = out.counts[1] = out.counts[2] = 0;
+    std::fill_n(out.own_begin, plan.segments.size(), 0);
+    std::fill_n(out.token_slots, plan.tokens, SlotRange{});
+    return 0;
   }
 
   // Table writes [first, first + count) of `changes` into a staging slot; returns count.
@@ -362,6 +385,8 @@ class DeviceShard {
   std::optional<TableKernels> table_;
   std::array<WorkCounts, kMaxWindows> counts_{};  // work of each window in the uploaded step
   KernelChoice choice_ = KernelChoice::automatic;
+  bool share_prefixes_ = true;
+  SharingPlanner planner_;
   bool uploaded_fast_ = false;
   Event last_;  // the last upload or commit: the next upload waits on it
   std::uint64_t uploaded_serial_ = 0;

@@ -112,6 +112,9 @@ class ShardedCache : public PlanningVerbs<CellCache<L, W, P, MaxSeqs>, ShardedCa
   // ---- planning (host, once for every shard): declare_step, seq_*, rewind, clear, host() from
   // PlanningVerbs; each first acknowledges the changes every shard has uploaded ----
   // Picks the kernels of every shard (applies from the next upload).
+  void share_prefixes(bool on) noexcept {
+    for (auto& s : shards_) s->share_prefixes(on);
+  }
   void use_kernels(KernelChoice choice) noexcept {
     for (auto& s : shards_) s->use_kernels(choice);
   }

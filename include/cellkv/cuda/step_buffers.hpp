@@ -3,8 +3,9 @@
 //
 // A step is uploaded in one host-to-device copy of the "step block" (step_block.hpp): the
 // per-token arrays, the segments, every window's attention work, the sequence layout's row ranges,
-// then the pending position-table writes (cell layout). Staging is double-buffered: the next
-// upload fills the other slot while the previous copy may still be in flight.
+// the step's shared prefixes (cell layout), then the pending position-table writes (cell layout).
+// Staging is double-buffered: the next upload fills the other slot while the previous copy may
+// still be in flight.
 //
 // The fault word: one word of mapped pinned host memory that device code sets when it meets a bad
 // index (kFaultBadRow: write_kv met a row outside the pool). The host reads it without a copy or a
@@ -49,6 +50,7 @@ class StepBuffers {
     b_.segments = reinterpret_cast<Segment*>(base + layout_.segments);
     for (std::int32_t w = 0; w < shape.windows; ++w) b_.work[w] = layout_.work_at(base, w, shape.max_write);
     b_.ranges = shape.ranges ? reinterpret_cast<RowRange*>(base + layout_.ranges) : nullptr;
+    b_.shared = layout_.shared_at(base, shape);
     b_.table_flat = table_.data();
     b_.table = PositionTableView{table_.data(), table_.data() + dir_entries, dir_stride};
     b_.max_write = shape.max_write;

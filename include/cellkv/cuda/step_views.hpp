@@ -10,6 +10,7 @@
 //   segments   Segment [max_write], num_segments int32 [1]
 //   work       per window buffer: WindowWork (attention_plan.hpp)
 //   ranges     RowRange [windows][max_write] sequence layout: rows token t sees (reference kernel)
+//   shared     SharedWork: the step's shared-prefix runs, items, partial slots (cell layout)
 //   table      the position table (cell layout; PositionTableView)
 //   masks      bool [windows][max_write][max_cells] mask_w{W} = masks + buffer * max_write * max_cells
 //   fault      uint32 [1], mapped host memory   kFault* bits set by device code (step_buffers.hpp)
@@ -20,6 +21,7 @@
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/host_device.hpp"
 #include "cellkv/position_table_view.hpp"
+#include "cellkv/prefix_sharing.hpp"
 #include "cellkv/step_plan.hpp"
 
 namespace cellkv::gpu {
@@ -44,6 +46,7 @@ struct StepBindings {
   Segment* segments = nullptr;
   WindowWork work[kMaxWindows] = {};
   RowRange* ranges = nullptr;   // sequence layout
+  SharedWork shared;            // cell layout: the step's shared prefixes (prefix_sharing.hpp)
   PositionTableView table;      // cell layout
   std::int32_t* table_flat = nullptr;  // the table's flat array (directory, then pages)
   bool* masks = nullptr;        // cell layout; nullptr until a caller asks for masks

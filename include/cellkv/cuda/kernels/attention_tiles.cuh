@@ -4,6 +4,7 @@
 //   qk          S [16 x 8 NT] = Q K^T over a swizzled K tile
 //   pv          O [16 x D] += P V over a swizzled V tile
 //   RowState    the online softmax of the warp's 16 rows (two per lane)
+//   RowHalf     a lane's share of a finished row: normalized output and log2-sum-exp
 //   mask_tile   scores -> log2 units, -inf where a row may not see a column's position
 // Lane layout of accumulators (mma.cuh): lane holds rows lane / 4 and lane / 4 + 8, columns
 // 2 (lane % 4) and 2 (lane % 4) + 1 of every 8-wide block.
@@ -134,6 +135,32 @@ struct RowState {
 #pragma unroll
       for (int d = 0; d < D / 8; ++d) o[d][2 * h] *= corr, o[d][2 * h + 1] *= corr;
     }
+  }
+};
+
+// A lane's share of row (lane / 4) + 8 h of a finished state, normalized in place (no copy: the
+// state is dead after its rows are written): v(j) is the output at column column(j, lane), lse the
+// row's log2-sum-exp of its scores (-inf when it saw nothing).
+template <int D>
+struct RowHalf {
+  static constexpr int kValues = D / 4;  // values a lane holds of one row
+  RowState<D>& st;
+  int h;
+  float lse;
+  __device__ __forceinline__ RowHalf(RowState<D>& state, int half) : st(state), h(half) {
+    const float l = quad_sum(st.l[h]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    lse = l > 0.f ? st.m[h] + log2f(l) : -INFINITY;
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d) st.o[d][2 * h] *= inv, st.o[d][2 * h + 1] *= inv;
+  }
+  __device__ __forceinline__ float& v(int j) const { return st.o[j / 2][2 * h + (j & 1)]; }
+  __device__ static __forceinline__ int column(int j, int lane) { return (j / 2) * 8 + (lane & 3) * 2 + (j & 1); }
+  // Stores this lane's share as a partial: o_row [D] fp32, *lse_row (one lane of the quad writes it).
+  __device__ __forceinline__ void store_partial(float* o_row, float* lse_row, int lane) const {
+#pragma unroll
+    for (int j = 0; j < kValues; j += 2) *reinterpret_cast<float2*>(o_row + column(j, lane)) = make_float2(v(j), v(j + 1));
+    if ((lane & 3) == 0) *lse_row = lse;
   }
 };
 

@@ -85,18 +85,21 @@ struct PairCursor {
   std::int32_t d = 0, h = 0, t = 0;  // decode segment, KV head, tile of the pair
   std::int32_t tiles = 0;  // tiles of the pair
   std::int32_t tile0 = 0;  // first KV tile (positions tile0 * kPositions ...)
+  std::int32_t own_begin = 0;  // positions below are read by shared items (prefix_sharing.hpp)
   Segment seg;
 
   template <class A>
   __device__ void load_segment(const A& a, int positions) {
-    seg = a.segments[a.work.decode_seg[d]];
-    const TileSpan span = tiles_seen(a.window, seg.pos0, seg.pos0 + seg.len - 1, positions);
+    const int index = a.work.decode_seg[d];
+    seg = a.segments[index];
+    own_begin = a.shared.own_begin_of(index);
+    const TileSpan span = tiles_seen(a.window, seg.pos0, seg.pos0 + seg.len - 1, positions, own_begin);
     tile0 = span.first;
     tiles = span.count;
   }
-  // Positions the pair's rows see, as a whole: [visible_begin(W, first), last].
+  // Positions the pair's rows read, as a whole: own_positions(W, first, last, own_begin).
   __device__ PositionRange seen(int window) const {
-    return {visible_begin(window, seg.pos0), seg.pos0 + seg.len - 1};
+    return own_positions(window, seg.pos0, seg.pos0 + seg.len - 1, own_begin);
   }
   // Positions the cursor at flat tile `flat`: a 32-way search by the whole warp (a few dependent
   // reads, not log2(segments)).
@@ -295,8 +298,26 @@ __device__ void load_query_shared(std::uint32_t tile, const T* src, int heads_q,
   __syncwarp();
 }
 
-// Merges `members` partials (slots slot_of(i)) of a pair's rows: writes the output (final) or the
-// merged partial into slot_of(0). One warp; partials of other warps are read through L2.
+// The output of a pair whose parts were merged into partial slot `slot`: each row folded with its
+// token's shared-prefix partials. A loop of its own (not inside the merge's unrolled rounds), so
+// the decode loop keeps its registers.
+template <class T, int D, class Rows>
+__device__ void write_merged(const DecodeArgs<T, Rows>& a, const PairRows& p, int slot, int lane) {
+  constexpr int kPerRow = D / 4;  // float4 per row
+  for (int idx = lane; idx < p.rows * kPerRow; idx += 32) {
+    const int r = idx / kPerRow, c = idx % kPerRow;
+    const std::int64_t row = static_cast<std::int64_t>(slot) * kDecodeRows + r;
+    float4 v = __ldcg(reinterpret_cast<const float4*>(a.partial_o + row * D) + c);
+    a.shared.template fold<D, 4>(p.token(r), p.head(r), a.heads_q, __ldcg(a.partial_lse + row),
+                                 [&](int e) { return 4 * c + e; },
+                                 [&](int e) -> float& { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; });
+    T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D + 4 * c;
+    dst[0] = from_float<T>(v.x), dst[1] = from_float<T>(v.y), dst[2] = from_float<T>(v.z), dst[3] = from_float<T>(v.w);
+  }
+}
+
+// Merges `members` partials (slots slot_of(i)) of a pair's rows into slot_of(0); the final merge
+// then writes the output. One warp; partials of other warps are read through L2.
 template <class T, int D, class Rows, class SlotOf>
 __device__ void merge_parts(const DecodeArgs<T, Rows>& a, const PairRows& p, int members, SlotOf&& slot_of, bool final,
                             int lane) {
@@ -353,22 +374,19 @@ __device__ void merge_parts(const DecodeArgs<T, Rows>& a, const PairRows& p, int
       }
     }
 #pragma unroll
-    for (int j = 0; j < kOut; ++j) {
-      if (row[j] >= p.rows) continue;
-      if (final) {
-        T* dst = a.out + (static_cast<std::int64_t>(p.token(row[j])) * a.heads_q + p.head(row[j])) * D + 4 * col[j];
-        dst[0] = from_float<T>(acc[j].x), dst[1] = from_float<T>(acc[j].y), dst[2] = from_float<T>(acc[j].z),
-        dst[3] = from_float<T>(acc[j].w);
-      } else {
+    for (int j = 0; j < kOut; ++j)
+      if (row[j] < p.rows)
         reinterpret_cast<float4*>(a.partial_o + (static_cast<std::int64_t>(dst_slot) * kDecodeRows + row[j]) * D)[col[j]] =
             acc[j];
-      }
-    }
   }
-  if (!final && lane < p.rows) {  // the merged lse of row `lane` (every lane holds every row's)
+  if (lane < p.rows) {  // the merged lse of row `lane` (every lane holds every row's)
 #pragma unroll
     for (int r = 0; r < kDecodeRows; ++r)
       if (r == lane) a.partial_lse[static_cast<std::int64_t>(dst_slot) * kDecodeRows + r] = lse[r];
+  }
+  if (final) {
+    __syncwarp();  // the merged partial, written by every lane, read back by every lane
+    write_merged<T, D>(a, p, dst_slot, lane);
   }
 }
 
@@ -405,32 +423,26 @@ __device__ void merge_up(const DecodeArgs<T, Rows>& a, const PairCursor& c, cons
 // The end of a pair's part in this worker: the output when the pair is whole here, else this
 // part's partial (o / l, lse per row), then the merge.
 template <class T, int D, class Rows>
-__device__ void finish_pair(const DecodeArgs<T, Rows>& a, const PairCursor& c, const PairRows& p, const RowState<D>& st,
+__device__ void finish_pair(const DecodeArgs<T, Rows>& a, const PairCursor& c, const PairRows& p, RowState<D>& st,
                             int worker, std::int64_t chunk, int lane) {
   const bool whole = parts_of(c.begin, c.begin + c.tiles, chunk).count() == 1;
   const int slot = whole ? 0 : part_slot(worker, c.begin, chunk);
+  using R = RowHalf<D>;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float l = quad_sum(st.l[h]);
     const int r = (lane >> 2) + 8 * h;
+    const R res(st, h);
     if (r >= p.rows) continue;
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    auto column = [&](int j) { return R::column(j, lane); };
     if (whole) {
-      T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D + (lane & 3) * 2;
+      a.shared.template fold<D, R::kValues>(p.token(r), p.head(r), a.heads_q, res.lse, column,
+                                            [&](int j) -> float& { return res.v(j); });
+      T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D;
 #pragma unroll
-      for (int d = 0; d < D / 8; ++d) {
-        dst[d * 8] = from_float<T>(st.o[d][2 * h] * inv);
-        dst[d * 8 + 1] = from_float<T>(st.o[d][2 * h + 1] * inv);
-      }
+      for (int j = 0; j < R::kValues; ++j) dst[column(j)] = from_float<T>(res.v(j));
     } else {
       const std::int64_t row = static_cast<std::int64_t>(slot) * kDecodeRows + r;
-      float* dst = a.partial_o + row * D + (lane & 3) * 2;
-#pragma unroll
-      for (int d = 0; d < D / 8; ++d) {
-        dst[d * 8] = st.o[d][2 * h] * inv;
-        dst[d * 8 + 1] = st.o[d][2 * h + 1] * inv;
-      }
-      if ((lane & 3) == 0) a.partial_lse[row] = l > 0.f ? st.m[h] + log2f(l) : -INFINITY;
+      res.store_partial(a.partial_o + row * D, a.partial_lse + row, lane);
     }
   }
   if (!whole) merge_up<T, D>(a, c, p, worker, chunk, lane);

@@ -1,11 +1,13 @@
 // cellkv/cuda/kernels/layer_args.cuh - the arguments both table-driven attention kernels take for
 // one layer: queries and outputs, the layer's pool, where its rows live, the window and the
-// window's work in the uploaded step. Trivially copyable; passed by value.
+// window's work in the uploaded step, and the shared-prefix results to fold into the outputs.
+// Trivially copyable; passed by value.
 #pragma once
 
 #include <cstdint>
 
 #include "cellkv/attention_plan.hpp"
+#include "cellkv/cuda/kernels/shared_fold.cuh"
 #include "cellkv/pool_view.hpp"
 #include "cellkv/step_plan.hpp"
 
@@ -23,6 +25,7 @@ struct LayerArgs {
   std::int32_t window = 0;
   const Segment* segments = nullptr;
   WindowWork work;
+  SharedFold shared;  // the shared-prefix partials to fold in (prefix_sharing.hpp)
 };
 
 }  // namespace cellkv::gpu::kernels

@@ -4,9 +4,13 @@
 //
 // Per layer, on the caller's stream (capturable: grids depend on the cache's sizes only, and the
 // kernels read the step's work from the step block):
+//   shared_prefix_attention  the step's shared prefixes (cell layout), read once for all who share
+//                            them; partial results per token and KV split (prefix_sharing.hpp)
+//   merge_shared_splits      the splits of every (run, token) merged into one partial
 //   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
 //   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together
-// Outside graph capture a kernel with no work in the uploaded step is not launched at all.
+// The last two fold the shared partials into their outputs. Outside graph capture a kernel with no
+// work in the uploaded step is not launched at all.
 //
 // Supported, written out: element types __nv_bfloat16 and __half (fp32 accumulation), head dims
 // 64, 128 and 256, any H_q that is a multiple of H_kv. fp32 storage uses the reference kernel.
@@ -15,14 +19,17 @@
 #include <cuda/stream_ref>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 #include "cellkv/attention_plan.hpp"
+#include "cellkv/prefix_sharing.hpp"
 #include "cellkv/cuda/error.hpp"
 #include "cellkv/cuda/kernels/decode_attention.cuh"
 #include "cellkv/cuda/kernels/prefill_attention.cuh"
+#include "cellkv/cuda/kernels/shared_prefix_attention.cuh"
 #include "cellkv/cuda/kernels/tile_rows.cuh"
 #include "cellkv/cuda/launch/dispatch.cuh"
 #include "cellkv/cuda/memory.hpp"
@@ -67,16 +74,19 @@ constexpr DecodeConfig decode_config(int head_dim) {
 template <int D>
 inline constexpr DecodeConfig kDecode = decode_config(D);
 
-inline constexpr int kPrefillStages = 2;
+template <int D>
+inline constexpr int kPrefillStages = kernels::prefill_stages(D);
 
-// The attention geometry of a cache's shard.
+// The attention geometry of a cache's shard; shared_slots: partial slots of the shared-prefix
+// kernel (0: the cache does not share prefixes; shared_slot_capacity in step_block.hpp).
 struct TableShape {
   std::int32_t heads_q = 0, heads_kv = 0, head_dim = 0;
+  std::int32_t shared_slots = 0;
 };
 
 // Work counts of one window buffer in the uploaded step (the host knows them from its plan).
 struct WorkCounts {
-  std::int32_t decode = 0, prefill = 0;
+  std::int32_t decode = 0, prefill = 0, shared = 0;
 };
 
 // Rows is kernels::TableRows (cell layout) or kernels::SlotRows (sequence layout).
@@ -93,11 +103,19 @@ class TableAttention {
     partial_lse_ = DeviceBuffer<float>(static_cast<std::size_t>(slots_) * kDecodeRows);
     merge_counts_ = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(kernels::kMergeLevels) * static_cast<std::size_t>(slots_));
     CELLKV_CUDA_THROW(cudaMemset(merge_counts_.data(), 0, merge_counts_.bytes()));
+    const auto shared_rows = static_cast<std::size_t>(shape.shared_slots) * static_cast<std::size_t>(shape.heads_q);
+    shared_o_ = DeviceBuffer<float>(shared_rows * static_cast<std::size_t>(shape.head_dim));
+    shared_lse_ = DeviceBuffer<float>(shared_rows);
   }
 
   // The decode tile (positions) the host plans with.
   [[nodiscard]] AttentionShape plan_shape() const noexcept {
     return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim)};
+  }
+
+  // What the sharing planner needs: the kernel's geometry and the step block's capacities.
+  [[nodiscard]] SharingShape sharing_shape(std::int32_t max_runs) const noexcept {
+    return {shape_.heads_q / shape_.heads_kv, shape_.heads_kv, shared_grid_, max_runs, shape_.shared_slots};
   }
 
   // One layer's attention through window buffer `buffer` of window `window`: q, out [width, H_q, D];
@@ -107,15 +125,27 @@ class TableAttention {
                 ::cuda::stream_ref stream) const {
     if (scale == 0.f) scale = 1.f / std::sqrt(static_cast<float>(shape_.head_dim));
     const float scale_log2 = scale * kernels::kLog2e;
-    const kernels::PrefillArgs<T, Rows> pre{q, out, pool, rows, shape_.heads_q, scale_log2, window, b.segments, b.work[buffer]};
+    const bool sharing = shape_.shared_slots > 0 && b.shared.counts != nullptr;
+    const kernels::SharedFold fold = sharing ? kernels::SharedFold{b.shared.own_begin, b.shared.token_slots,
+                                                                   shared_o_.data(), shared_lse_.data()}
+                                             : kernels::SharedFold{};
+    const kernels::PrefillArgs<T, Rows> pre{q,      out,        pool,       rows, shape_.heads_q, scale_log2,
+                                            window, b.segments, b.work[buffer], fold};
     const kernels::DecodeArgs<T, Rows> dec{pre, b.tokens, width, partial_o_.data(), partial_lse_.data(),
                                            merge_counts_.data(), slots_};
+    const kernels::SharedArgs<T, Rows> shared{pre, b.shared, b.token_pos, shared_o_.data(), shared_lse_.data()};
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CELLKV_CUDA_STATUS(cudaStreamIsCapturing(stream.get(), &capture));
     const bool any = capture != cudaStreamCaptureStatusNone;
     const bool prefill = any || work.prefill > 0, decode = any || work.decode > 0 || width > tokens;
     return dispatch_head_dim(shape_.head_dim, [&](auto d) -> Status {
       constexpr int D = decltype(d)::value;
+      if (sharing && (any || work.shared > 0)) {  // before both: they fold its partials in
+        if (const Status s = launch_shared<D>(shared, stream.get()); !s.ok()) return s;
+        kernels::merge_shared_splits<D><<<merge_grid_, kernels::kMergeThreads<D>, 0, stream.get()>>>(
+            kernels::MergeArgs{b.shared, shared_o_.data(), shared_lse_.data(), shape_.heads_q});
+        if (const Status s = detail::last_launch(); !s.ok()) return s;
+      }
       if (prefill && decode) {  // fork: prefill on the side stream, decode here, then join
         if (const Status s = fork_.record(stream); !s.ok()) return s;
         if (const Status s = fork_.wait_on(side_); !s.ok()) return s;
@@ -133,9 +163,9 @@ class TableAttention {
   template <int D>
   Status size_grids(int sms) {
     auto* dec = kernels::decode_attention<T, D, kDecode<D>.stages, kDecode<D>.warps, Rows>;
-    auto* pre = kernels::prefill_attention<T, D, kPrefillStages, Rows>;
+    auto* pre = kernels::prefill_attention<T, D, kPrefillStages<D>, Rows>;
     constexpr int dec_smem = kernels::decode_smem_bytes<D, kDecode<D>.stages, kDecode<D>.warps>();
-    constexpr int pre_smem = kernels::prefill_smem_bytes<D, kPrefillStages>();
+    constexpr int pre_smem = kernels::prefill_smem_bytes<D, kPrefillStages<D>>();
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(dec, cudaFuncAttributeMaxDynamicSharedMemorySize, dec_smem));
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(pre, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
     int dec_blocks = 0, pre_blocks = 0;
@@ -143,6 +173,12 @@ class TableAttention {
     CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pre_blocks, pre, kernels::kPrefillThreads, pre_smem));
     decode_grid_ = sms * (dec_blocks > 0 ? dec_blocks : 1);
     prefill_grid_ = sms * (pre_blocks > 0 ? pre_blocks : 1);
+    auto* shared = kernels::shared_prefix_attention<T, D, kPrefillStages<D>, Rows>;
+    CELLKV_CUDA_THROW(cudaFuncSetAttribute(shared, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
+    int shared_blocks = 0;
+    CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shared_blocks, shared, kernels::kPrefillThreads, pre_smem));
+    shared_grid_ = sms * (shared_blocks > 0 ? shared_blocks : 1);
+    merge_grid_ = sms * 8;
     slots_ = 2 * decode_grid_ * kDecode<D>.warps;  // two partial slots per decode worker
     return {};
   }
@@ -150,28 +186,35 @@ class TableAttention {
   // The dynamic shared-memory limit is raised right before each launch, in the same code as the
   // launch: a template kernel instantiated in several translation units has one registration per
   // unit, and an attribute set through one unit's kernel pointer does not reach another's.
+  // Launches `kernel` with `smem` bytes of dynamic shared memory (the limit raised first).
+  template <class Kernel, class Args>
+  static Status launch(Kernel* kernel, int grid, int threads, int smem, cudaStream_t stream, const Args& args) {
+    CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<grid, threads, smem, stream>>>(args);
+    return detail::last_launch();
+  }
   template <int D>
   Status launch_decode(const kernels::DecodeArgs<T, Rows>& a, cudaStream_t stream) const {
-    auto* kernel = kernels::decode_attention<T, D, kDecode<D>.stages, kDecode<D>.warps, Rows>;
-    constexpr int smem = kernels::decode_smem_bytes<D, kDecode<D>.stages, kDecode<D>.warps>();
-    CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<decode_grid_, kDecode<D>.warps * 32, smem, stream>>>(a);
-    return detail::last_launch();
+    return launch(kernels::decode_attention<T, D, kDecode<D>.stages, kDecode<D>.warps, Rows>, decode_grid_,
+                  kDecode<D>.warps * 32, kernels::decode_smem_bytes<D, kDecode<D>.stages, kDecode<D>.warps>(), stream, a);
   }
   template <int D>
   Status launch_prefill(const kernels::PrefillArgs<T, Rows>& a, cudaStream_t stream) const {
-    auto* kernel = kernels::prefill_attention<T, D, kPrefillStages, Rows>;
-    constexpr int smem = kernels::prefill_smem_bytes<D, kPrefillStages>();
-    CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<prefill_grid_, kernels::kPrefillThreads, smem, stream>>>(a);
-    return detail::last_launch();
+    return launch(kernels::prefill_attention<T, D, kPrefillStages<D>, Rows>, prefill_grid_, kernels::kPrefillThreads,
+                  kernels::prefill_smem_bytes<D, kPrefillStages<D>>(), stream, a);
+  }
+  template <int D>
+  Status launch_shared(const kernels::SharedArgs<T, Rows>& a, cudaStream_t stream) const {
+    return launch(kernels::shared_prefix_attention<T, D, kPrefillStages<D>, Rows>, shared_grid_, kernels::kPrefillThreads,
+                  kernels::prefill_smem_bytes<D, kPrefillStages<D>>(), stream, a);
   }
 
   TableShape shape_;
-  int decode_grid_ = 0, prefill_grid_ = 0;
+  int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0, merge_grid_ = 0;
   std::int32_t slots_ = 0;
   DeviceBuffer<float> partial_o_, partial_lse_;
   DeviceBuffer<std::int32_t> merge_counts_;
+  DeviceBuffer<float> shared_o_, shared_lse_;  // [shared_slots][H_q][D], [shared_slots][H_q]
   Stream side_;
   Event fork_, join_;
 };

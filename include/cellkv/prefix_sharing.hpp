@@ -1,0 +1,95 @@
+// cellkv/prefix_sharing.hpp - finds the prefixes that several sequences of a step share, so the
+// attention reads each shared K/V tile once for all of them (cell layout).
+//
+// Forks share full pages of the position table (position_table.hpp): when the segments of a step
+// hold the same page id at page k they hold the same cells at those 64 positions, and every query
+// of theirs sees them (a shared page lies below each member's first query; a window may still cut
+// into it, per query row). Members that agree on pages [0, k) form a class; walking k upwards a
+// class only splits, so each segment's shared positions are a prefix [0, own_begin) cut into
+// nested runs, one per class it belongs to, and it reads [own_begin, last query] itself.
+//
+// A run is one unit of work whose query rows are all its members' step tokens x their GQA heads
+// (packed as MMA rows, kSharedRows per item), over the run's positions cut into `splits` KV
+// ranges. Every (run, split) writes a partial result per member token and head into its own slot;
+// then the splits of every (run, token) are merged into the slot of split 0. A
+// token's split-0 slots, one per run it belongs to, are consecutive (token_slots); the kernel that
+// reads a segment's own positions folds them into its output by log-sum-exp (the split-KV merge).
+// Nothing here depends on where cells are or on windows.
+//
+// This header holds the plan's data (fixed-capacity arrays in device or staging memory);
+// sharing_planner.hpp makes it.
+#pragma once
+
+#include <cstdint>
+
+#include "cellkv/attention_plan.hpp"
+#include "cellkv/host_device.hpp"
+
+namespace cellkv {
+
+inline constexpr std::int32_t kSharedRows = 64;      // query rows of one shared item (16 per warp)
+inline constexpr std::int32_t kSharedTile = 64;      // positions per KV tile of a shared item (one page)
+inline constexpr std::int32_t kMinSplitTiles = 4;    // a split covers at least this many tiles
+inline constexpr std::int32_t kMaxSplits = 16;       // partial slots per token and run, at most
+
+// Positions [begin, end) (multiples of kPagePositions) that the step tokens
+// run_tokens[token0, token0 + tokens) all see through the same cells; `seq` is a member whose
+// table is read. Split k covers tiles [tiles k / splits, tiles (k + 1) / splits).
+struct SharedRun {
+  std::int32_t seq = 0;
+  std::int32_t begin = 0;
+  std::int32_t end = 0;
+  std::int32_t token0 = 0;
+  std::int32_t tokens = 0;
+  std::int32_t splits = 1;
+};
+
+// Query rows [row0, row0 + kSharedRows) of a run over its split `split`; row r is member token
+// r / group, query head r % group of the KV head's group. The items of one (run, row0) are
+// consecutive, by split.
+struct SharedItem {
+  std::int32_t run = 0;
+  std::int32_t split = 0;
+  std::int32_t row0 = 0;
+};
+
+// A token's partial slots: [first, first + count).
+struct SlotRange {
+  std::int32_t first = 0;
+  std::int32_t count = 0;
+};
+
+// The sharing of one step, in fixed-capacity arrays.
+struct SharedWork {
+  std::int32_t* counts = nullptr;      // [3]: runs, items, run tokens
+  SharedRun* runs = nullptr;           // [max_runs]
+  std::int32_t* run_tokens = nullptr;  // [slots] the member tokens of every run, run by run
+  std::int32_t* run_slot = nullptr;    // [slots] slot of split 0 of that token in that run
+  std::int32_t* run_extra = nullptr;   // [slots] slot of split 1 (split k: + k - 1) of that token
+  SharedItem* items = nullptr;         // [slots]
+  std::int32_t* own_begin = nullptr;   // [max_write] per segment: first position it reads itself
+  SlotRange* token_slots = nullptr;    // [max_write] per step token: its split-0 slots, one per run
+
+  CELLKV_HOST_DEVICE std::int32_t run_count() const noexcept { return counts[0]; }
+  CELLKV_HOST_DEVICE std::int32_t item_count() const noexcept { return counts[1]; }
+  CELLKV_HOST_DEVICE std::int32_t run_token_count() const noexcept { return counts[2]; }
+};
+
+// Capacities and the kernel geometry the plan depends on.
+struct SharingShape {
+  std::int32_t group = 1;      // H_q / H_kv
+  std::int32_t heads_kv = 1;
+  std::int32_t workers = 1;    // items x H_kv the shared kernel runs at once (splits aim to fill it)
+  std::int32_t max_runs = 0;   // capacity of runs
+  std::int32_t slots = 0;      // capacity of partial slots, run tokens and items
+};
+
+// The KV tiles (kSharedTile positions) [first, first + count) of split `k` of a run.
+CELLKV_HOST_DEVICE constexpr TileSpan split_tiles(const SharedRun& r, std::int32_t k) noexcept {
+  const std::int32_t tiles = (r.end - r.begin) / kSharedTile, first = r.begin / kSharedTile;
+  const std::int32_t lo = static_cast<std::int32_t>(static_cast<std::int64_t>(tiles) * k / r.splits);
+  const std::int32_t hi = static_cast<std::int32_t>(static_cast<std::int64_t>(tiles) * (k + 1) / r.splits);
+  return {first + lo, hi - lo};
+}
+
+}  // namespace cellkv

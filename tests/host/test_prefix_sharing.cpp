@@ -1,0 +1,288 @@
+// The sharing planner (sharing_planner.hpp) against brute force on random fork trees: for every
+// token of a step, its shared runs and its own range partition the positions it sees, exactly,
+// under every window; a run's cells are the same in every member's table; the partial slots of
+// (token, run, split) are distinct and inside the token's range; the items cover every (run,
+// split, row) once; and a run is found wherever two segments of the step hold the same page
+// (unless the capacities forced a drop, which must still leave a complete plan).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <random>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "cellkv/cell_cache.hpp"
+#include "cellkv/sharing_planner.hpp"
+#include "cellkv/visibility.hpp"
+
+namespace {
+
+using namespace cellkv;
+using Cache = CellCache<layout::cell, Windows<0>, placement::lowest_free, 64>;
+constexpr std::int32_t kWindows[] = {0, 1, 40, 64, 150, 700};
+
+// The plan's arrays, owned.
+struct Plan {
+  std::vector<std::int32_t> counts = std::vector<std::int32_t>(3), run_tokens, run_slot, run_extra, own_begin;
+  std::vector<SharedRun> runs;
+  std::vector<SharedItem> items;
+  std::vector<SlotRange> token_slots;
+  SharedWork view;
+  Plan(std::int32_t max_write, const SharingShape& shape)
+      : run_tokens(static_cast<std::size_t>(shape.slots)), run_slot(run_tokens.size()), run_extra(run_tokens.size()),
+        own_begin(static_cast<std::size_t>(max_write)), runs(static_cast<std::size_t>(shape.max_runs)),
+        items(run_tokens.size()), token_slots(static_cast<std::size_t>(max_write)) {
+    view = SharedWork{counts.data(), runs.data(),  run_tokens.data(), run_slot.data(),
+                      run_extra.data(), items.data(), own_begin.data(), token_slots.data()};
+  }
+};
+
+// Checks one planned step against brute force; returns the number of runs.
+std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Plan& plan, bool complete) {
+  const StepPlan step = cache.step();
+  const PositionTable& table = cache.table();
+  const SharedWork& w = plan.view;
+  const std::int32_t runs = w.run_count();
+  REQUIRE(runs <= shape.max_runs);
+  // token -> its runs (run index), from the run lists.
+  std::vector<std::vector<std::int32_t>> runs_of(static_cast<std::size_t>(step.tokens));
+  std::set<std::int32_t> slots_used;
+  for (std::int32_t r = 0; r < runs; ++r) {
+    const SharedRun& run = w.runs[r];
+    REQUIRE(run.begin % kPagePositions == 0);
+    REQUIRE(run.end % kPagePositions == 0);
+    REQUIRE(run.begin < run.end);
+    REQUIRE(run.splits >= 1);
+    REQUIRE(run.splits <= (run.end - run.begin) / kSharedTile);
+    std::set<std::int32_t> seqs;
+    for (std::int32_t i = 0; i < run.tokens; ++i) {
+      const std::int32_t t = w.run_tokens[run.token0 + i];
+      REQUIRE(t >= 0);
+      REQUIRE(t < step.tokens);
+      runs_of[static_cast<std::size_t>(t)].push_back(r);
+      const std::int32_t seq = step.seqs[static_cast<std::size_t>(t)];
+      seqs.insert(seq);
+      // Every position of the run lies below the token and holds the same cell as in run.seq.
+      CHECK(step.positions[static_cast<std::size_t>(t)] >= run.end);
+      std::int32_t differ = 0;
+      for (std::int32_t p = run.begin; p < run.end; ++p) differ += table.cell(seq, p) != table.cell(run.seq, p);
+      REQUIRE(differ == 0);
+      // Its slots: distinct from every other (token, run, split); split 0's inside the token's range.
+      const SlotRange range = w.token_slots[t];
+      const std::int32_t slot0 = w.run_slot[run.token0 + i];
+      CHECK(slot0 >= range.first);
+      CHECK(slot0 < range.first + range.count);
+      for (std::int32_t k = 0; k < run.splits; ++k) {
+        const std::int32_t slot = k == 0 ? slot0 : w.run_extra[run.token0 + i] + k - 1;
+        CHECK(slot >= 0);
+        CHECK(slot < shape.slots);
+        CHECK(slots_used.insert(slot).second);
+      }
+    }
+    CHECK((seqs.size() >= 2 || run.tokens >= 2));  // a run is shared by two segments at least
+    // Its splits partition its tiles.
+    std::int32_t next = run.begin / kSharedTile;
+    for (std::int32_t k = 0; k < run.splits; ++k) {
+      const TileSpan s = split_tiles(run, k);
+      CHECK(s.first == next);
+      CHECK(s.count >= 1);
+      next = s.first + s.count;
+    }
+    CHECK(next == run.end / kSharedTile);
+  }
+  // Token slot ranges hold exactly the split-0 slots of the token's runs.
+  for (std::int32_t t = 0; t < step.tokens; ++t)
+    CHECK(w.token_slots[t].count == static_cast<std::int32_t>(runs_of[static_cast<std::size_t>(t)].size()));
+  CHECK(static_cast<std::int32_t>(slots_used.size()) <= shape.slots);
+  // Items: every (run, split, row block) once; the splits of a (run, row block) consecutive.
+  std::set<std::tuple<std::int32_t, std::int32_t, std::int32_t>> items;
+  for (std::int32_t i = 0; i < w.item_count(); ++i) {
+    const SharedItem it = w.items[i];
+    if (it.split > 0) {
+      REQUIRE(i > 0);
+      CHECK(w.items[i - 1].run == it.run);
+      CHECK(w.items[i - 1].row0 == it.row0);
+      CHECK(w.items[i - 1].split == it.split - 1);
+    }
+    REQUIRE(it.run >= 0);
+    REQUIRE(it.run < runs);
+    CHECK(it.split < w.runs[it.run].splits);
+    CHECK(it.row0 % kSharedRows == 0);
+    CHECK(it.row0 < w.runs[it.run].tokens * shape.group);
+    CHECK(items.insert({it.run, it.split, it.row0}).second);
+  }
+  std::size_t want_items = 0;
+  for (std::int32_t r = 0; r < runs; ++r)
+    want_items += static_cast<std::size_t>(w.runs[r].splits) *
+                  static_cast<std::size_t>((w.runs[r].tokens * shape.group + kSharedRows - 1) / kSharedRows);
+  CHECK(items.size() == want_items);
+  CHECK(w.item_count() <= shape.slots);
+  std::int32_t run_tokens = 0;
+  for (std::int32_t r = 0; r < runs; ++r) {
+    CHECK(w.runs[r].token0 == run_tokens);  // runs list their tokens in order (the merge kernel searches them)
+    run_tokens += w.runs[r].tokens;
+  }
+  CHECK(w.run_token_count() == run_tokens);
+  // Per token and window: runs + own range partition what the token sees (the visibility rule).
+  for (std::size_t si = 0; si < step.segments.size(); ++si) {
+    const Segment& seg = step.segments[si];
+    CHECK(w.own_begin[si] % kPagePositions == 0);
+    CHECK(w.own_begin[si] <= seg.pos0);
+    for (std::int32_t t = seg.tok0; t < seg.tok0 + seg.len; ++t) {
+      const std::int32_t pos = step.positions[static_cast<std::size_t>(t)];
+      for (const std::int32_t window : kWindows) {
+        std::vector<int> covered(static_cast<std::size_t>(pos + 1), 0);
+        const PositionRange own = own_positions(window, seg.pos0, seg.pos0 + seg.len - 1, w.own_begin[si]);
+        for (std::int32_t p = own.begin; p <= pos; ++p)
+          if (sees(window, pos, p)) ++covered[static_cast<std::size_t>(p)];
+        for (const std::int32_t r : runs_of[static_cast<std::size_t>(t)])
+          for (std::int32_t p = w.runs[r].begin; p < w.runs[r].end; ++p)
+            if (sees(window, pos, p)) ++covered[static_cast<std::size_t>(p)];
+        std::int32_t wrong = 0;  // positions covered twice, or seen but not covered, or covered but unseen
+        for (std::int32_t p = 0; p <= pos; ++p) wrong += covered[static_cast<std::size_t>(p)] != (sees(window, pos, p) ? 1 : 0);
+        CAPTURE(t);
+        CAPTURE(window);
+        REQUIRE(wrong == 0);
+      }
+    }
+  }
+  // Maximality: segments of two sequences holding the same page below both their queries share a
+  // run there.
+  if (complete) {
+    for (std::size_t a = 0; a < step.segments.size(); ++a)
+      for (std::size_t b = a + 1; b < step.segments.size(); ++b) {
+        const Segment& sa = step.segments[a];
+        const Segment& sb = step.segments[b];
+        if (sa.seq == sb.seq) continue;  // one sequence split into segments: nothing is shared between forks
+        const std::int32_t pages = std::min(sa.pos0, sb.pos0) / kPagePositions;
+        const PositionTableView v = table.view();
+        for (std::int32_t k = 0; k < pages; ++k) {
+          if (v.page_of(sa.seq, k * kPagePositions) != v.page_of(sb.seq, k * kPagePositions)) break;
+          bool together = false;
+          for (const std::int32_t r : runs_of[static_cast<std::size_t>(sa.tok0)]) {
+            const SharedRun& run = w.runs[r];
+            const auto& list = runs_of[static_cast<std::size_t>(sb.tok0)];
+            together = together || (std::find(list.begin(), list.end(), r) != list.end() &&
+                                     run.begin <= k * kPagePositions && k * kPagePositions < run.end);
+          }
+          CAPTURE(k);
+          CHECK(together);
+        }
+      }
+  }
+  return runs;
+}
+
+// Fills seq with n tokens in steps of at most max_write.
+void fill(Cache& cache, std::int32_t seq, std::int32_t n, std::int32_t max_write) {
+  while (n > 0) {
+    const std::int32_t chunk = std::min(n, max_write);
+    REQUIRE(cache.declare_step(std::vector<std::int32_t>(static_cast<std::size_t>(chunk), seq)).ok());
+    n -= chunk;
+  }
+}
+
+// Random fork trees (depth up to 4, forks at any offset, rewinds below the fork point, sources
+// removed while forks live), then a step of decode tokens and prompt chunks of many of them.
+void random_trees(std::uint64_t seed, SharingShape shape, bool complete) {
+  constexpr std::int32_t kMaxWrite = 128;
+  Cache cache({.max_write = kMaxWrite, .max_cells = 60000, .max_seqs = 64});
+  std::mt19937_64 rng(seed);
+  auto pick = [&](std::int32_t n) { return static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(n)); };
+  SharingPlanner planner;
+  Plan plan(kMaxWrite, shape);
+  std::map<std::int32_t, std::int32_t> depth;  // live sequence -> fork depth
+  std::int32_t total_runs = 0;
+  for (int round = 0; round < 40; ++round) {
+    CAPTURE(seed);
+    CAPTURE(round);
+    if (depth.empty() || pick(6) == 0) {
+      const std::int32_t root = cache.seq_new().value();
+      fill(cache, root, 1 + pick(900), kMaxWrite);
+      depth[root] = 0;
+    }
+    for (int verbs = pick(6); verbs-- > 0;) {
+      auto it = depth.begin();
+      std::advance(it, pick(static_cast<std::int32_t>(depth.size())));
+      const std::int32_t s = it->first, pos = cache.pos(s).value();
+      const std::int32_t action = pick(10);
+      if (action < 6 && it->second < 4 && depth.size() < 60) {
+        const std::int32_t at_choices[] = {pos, pos / 64 * 64, pick(pos + 1), std::max(0, pos - pick(100))};
+        const std::int32_t at = at_choices[pick(4)];
+        const std::int32_t fork = cache.seq_clone(s, at).value();
+        depth[fork] = it->second + 1;
+        fill(cache, fork, pick(150), kMaxWrite);
+      } else if (action < 8) {
+        REQUIRE(cache.rewind(s, pick(pos + 1)).ok());
+      } else if (depth.size() > 2) {
+        REQUIRE(cache.seq_rm(s).ok());  // often the source of live forks
+        depth.erase(it);
+      }
+    }
+    // A step: 1 token for most live sequences, a chunk for some, within max_write.
+    std::vector<std::int32_t> ids;
+    for (const auto& [s, d] : depth) {
+      const std::int32_t n = pick(4) == 0 ? 2 + pick(20) : 1;
+      if (static_cast<std::int32_t>(ids.size()) + n > kMaxWrite) break;
+      ids.insert(ids.end(), static_cast<std::size_t>(n), s);
+    }
+    if (pick(3) == 0) std::shuffle(ids.begin(), ids.end(), rng);  // interleaved: several segments per sequence
+    if (!cache.declare_step(ids).ok()) continue;
+    planner.plan(cache.step().segments, cache.table(), shape, plan.view);
+    total_runs += check_plan(cache, shape, plan, complete);
+  }
+  CHECK(total_runs > 0);
+}
+
+}  // namespace
+
+TEST_CASE("prefix sharing plan: random fork trees, runs and own ranges partition what every token sees") {
+  const SharingShape roomy{.group = 4, .heads_kv = 8, .workers = 264, .max_runs = 128, .slots = 4096};
+  for (std::uint64_t seed = 1; seed <= 6; ++seed) random_trees(seed, roomy, true);
+}
+
+TEST_CASE("prefix sharing plan: tight capacities drop deep runs and stay complete") {
+  const SharingShape tight{.group = 8, .heads_kv = 2, .workers = 1000, .max_runs = 3, .slots = 40};
+  for (std::uint64_t seed = 11; seed <= 14; ++seed) random_trees(seed, tight, false);
+}
+
+TEST_CASE("prefix sharing plan: 64 forks of one prompt share it in one run, split to fill the grid") {
+  Cache cache({.max_write = 128, .max_cells = 20000, .max_seqs = 64});
+  const std::int32_t root = cache.seq_new().value();
+  fill(cache, root, 4096, 128);
+  std::vector<std::int32_t> ids{root};
+  for (int i = 1; i < 64; ++i) ids.push_back(cache.seq_clone(root, 4096).value());
+  REQUIRE(cache.declare_step(ids).ok());
+  const SharingShape shape{.group = 4, .heads_kv = 8, .workers = 264, .max_runs = 128, .slots = 2048};
+  SharingPlanner planner;
+  Plan plan(128, shape);
+  planner.plan(cache.step().segments, cache.table(), shape, plan.view);
+  REQUIRE(check_plan(cache, shape, plan, true) == 1);
+  const SharedRun run = plan.view.runs[0];
+  CHECK(run.begin == 0);
+  CHECK(run.end == 4096);
+  CHECK(run.tokens == 64);
+  // 256 rows = 4 blocks x 8 KV heads = 32 items per split; 264 workers take 8 splits in one wave.
+  CHECK(run.splits == 8);
+  for (std::int32_t s = 0; s < 64; ++s) CHECK(plan.view.own_begin[s] == 4096);
+}
+
+TEST_CASE("prefix sharing plan: a step without forks plans nothing") {
+  Cache cache({.max_write = 16, .max_cells = 4000, .max_seqs = 8});
+  std::vector<std::int32_t> ids;
+  for (int i = 0; i < 8; ++i) {
+    ids.push_back(cache.seq_new().value());
+    fill(cache, ids.back(), 200 + 37 * i, 16);
+  }
+  REQUIRE(cache.declare_step(ids).ok());
+  const SharingShape shape{.group = 4, .heads_kv = 8, .workers = 264, .max_runs = 16, .slots = 256};
+  SharingPlanner planner;
+  Plan plan(16, shape);
+  planner.plan(cache.step().segments, cache.table(), shape, plan.view);
+  CHECK(check_plan(cache, shape, plan, true) == 0);
+  CHECK(plan.view.item_count() == 0);
+  for (std::int32_t t = 0; t < 8; ++t) CHECK(plan.view.token_slots[t].count == 0);
+}
