@@ -26,8 +26,8 @@ struct SamplingShape {
   std::int32_t new_tokens = 256;  // per sample
   [[nodiscard]] std::int32_t sessions() const { return prompts * samples; }
   [[nodiscard]] std::string name() const {
-    return std::to_string(prompts) + " prompts x " + std::to_string(prompt_len) + " tokens x " + std::to_string(samples) +
-           " samples, " + std::to_string(new_tokens) + " new";
+    return std::to_string(prompts) + " prompts x " + std::to_string(prompt_len) + " tokens x " +
+           std::to_string(samples) + " samples, " + std::to_string(new_tokens) + " new";
   }
 };
 

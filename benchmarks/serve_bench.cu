@@ -247,7 +247,8 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--weights-out") == 0 && i + 1 < argc) weights_out = argv[++i];
     if (std::strcmp(argv[i], "--parallel-sampling") == 0) parallel_sampling = true;
     if (std::strcmp(argv[i], "--sampling-shape") == 0 && i + 1 < argc && !parse_shape(argv[++i], sampling_shape)) {
-      std::fprintf(stderr, "cellkv-bench-serve: --sampling-shape takes P,L,S,N (prompts, prompt tokens, samples, new tokens)\n");
+      std::fprintf(stderr, "cellkv-bench-serve: --sampling-shape takes P,L,S,N (prompts, prompt tokens, samples, "
+                           "new tokens)\n");
       return 1;
     }
     if (std::strcmp(argv[i], "--sessions") == 0 && i + 1 < argc) {
@@ -270,7 +271,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "cellkv-bench-serve: cannot write %s\n", weights_out.c_str());
     return 1;
   }
-  std::fprintf(stderr, "cellkv serve benchmark: bf16 decoder, %d layers, dim %d, H_q %d, H_kv %d, D %d, ffn %d, vocab %d; ",
+  std::fprintf(stderr,
+               "cellkv serve benchmark: bf16 decoder, %d layers, dim %d, H_q %d, H_kv %d, D %d, ffn %d, vocab %d; ",
                kConfig.layers, kConfig.dim, kConfig.heads_q, kConfig.heads_kv, kConfig.head_dim, kConfig.ffn,
                kConfig.vocab);
   if (parallel_sampling)

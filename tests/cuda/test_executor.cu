@@ -5,9 +5,10 @@
 // cuBLAS; the GPU equals the host reference path; a hand-made schedule of widths 20, 1, 4, 2, 4,
 // 7, 3 with partial prefills matches; a stop token ends its session and the token after it is
 // discarded and rewound; cells reused across rounds leak nothing; n samples of a prompt
-// (add_samples) share the leader's prompt cells and each equals a solo run with its own seed. The model computes in fp32
-// (storage and GEMMs), so a session alone and in a batch agree up to fp32 rounding: the comparison
-// is in fp32, as bf16 rounding of different batch shapes could flip a near-tie.
+// (add_samples) share the leader's prompt cells and each equals a solo run with its own seed. The
+// model computes in fp32 (storage and GEMMs), so a session alone and in a batch agree up to fp32
+// rounding: the comparison is in fp32, as bf16 rounding of different batch shapes could flip a
+// near-tie.
 #include <doctest/doctest.h>
 
 #include <algorithm>
