@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving run on a fresh GPU machine, in one go (about 4 minutes on an H200):
+# The serving run on a fresh GPU machine, in one go (about 5 minutes on an H200):
 #   1. the PyTorch peer (serve_peer.py) starts at once in the background: it makes the weights,
 #      compiles and warms its decode step for every batch size, then waits;
 #   2. meanwhile the needed targets build: the GPU serving tests, the demo, cellkv-bench-serve;
@@ -7,8 +7,11 @@
 #   4. once the peer is warm (or after a deadline), cellkv-bench-serve alone on the GPU, which also
 #      writes its weights for the peer's check;
 #   5. the peer's timed steps alone on the GPU;
-#   6. one table: cellkv against the peer, the step breakdown, the floor, the targets.
-# Logs and results-serve.jsonl go to OUT_DIR (7 files); the weights file goes to $TMPDIR.
+#   6. cellkv-bench-serve --parallel-sampling alone on the GPU: 16 prompts of 2,048 tokens x 8
+#      samples, 256 new tokens each, with shared prefixes read once per step and without;
+#   7. one table: cellkv against the peer, the step breakdown, the floor, the targets, then the
+#      parallel-sampling rows.
+# Logs and results-serve.jsonl go to OUT_DIR (8 files); the weights file goes to $TMPDIR.
 #
 #   benchmarks/run_serve_device.sh BUILD_DIR OUT_DIR      (after: meson setup BUILD_DIR -Dgpu_arch=90)
 set -uo pipefail
@@ -57,8 +60,13 @@ wait "$peer"
 note "peer: rc=$? $(grep -E 'weights against' "$out/peer.log" | tail -1)"
 kill "$guard" 2>/dev/null
 
-# 6. the table
-cat "$tmp/cellkv.jsonl" "$tmp/peer.jsonl" > "$out/results-serve.jsonl" 2>/dev/null
+# 6. parallel sampling, sharing on and off
+timeout 120 "$build/benchmarks/cellkv-bench-serve" --parallel-sampling --out "$tmp/sampling.jsonl" \
+  > "$out/sampling.log" 2>&1
+note "cellkv-bench-serve --parallel-sampling: rc=$?"
+
+# 7. the table
+cat "$tmp/cellkv.jsonl" "$tmp/peer.jsonl" "$tmp/sampling.jsonl" > "$out/results-serve.jsonl" 2>/dev/null
 python3 "$here/serve_peer.py" --report "$out/results-serve.jsonl" | tee -a "$summary"
 note "done"
 rm -rf "$tmp" "$weights"

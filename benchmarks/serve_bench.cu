@@ -6,12 +6,24 @@
 // decode steps are timed in which all N sessions generate, one token each per step (checked).
 // A second timed pass with per-phase events gives the breakdown of a step. Not a test.
 //
-// Output: JSON lines (work "serve", shape "N sessions", impl cellkv_cell_clustered or
-// cellkv_sequence, metric tokens/s, plus the breakdown fields) on stdout or --out FILE, and a
-// table on stderr. --weights-out FILE writes the weights (bf16, the order of llama::Weights) and
-// FILE.json the config, for the PyTorch peer (serve_peer.py).
+// --parallel-sampling runs the parallel-sampling job instead (parallel_sampling.hpp): 16 prompts of
+// 2,048 tokens x 8 samples (SessionTable::add_samples), 256 new tokens each, on the cell layout
+// (clustered<64>, steps of up to 2,048 tokens), once with the kernels reading each shared prefix
+// once per step (DeviceCache::share_prefixes(true), the default) and once with share_prefixes(false).
+// Each: one untimed job (graph captures), then 3 timed jobs (1 with --quick); the job with the
+// median time is reported. --sampling-shape P,L,S,N picks another shape.
+//
+// Output: JSON lines on stdout or --out FILE, and a table on stderr. Sessions mode: work "serve",
+// shape "N sessions", impl cellkv_cell_clustered or cellkv_sequence, metric tokens/s, plus the
+// breakdown fields. Parallel sampling: work "serve_parallel_sampling", impl cellkv_cell_clustered
+// (sharing on) or cellkv_cell_clustered_no_sharing, metric = generated tokens / wall time of the
+// whole job (prompts fed on the way), plus the decode phase (steps in which every sample generates)
+// and the fraction of samples whose tokens equal the sharing run's. --weights-out FILE writes the
+// weights (bf16, the order of llama::Weights) and FILE.json the config, for the PyTorch peer
+// (serve_peer.py).
 //
 //   build/benchmarks/cellkv-bench-serve [--quick] [--out FILE] [--weights-out FILE] [--sessions 1,16,...]
+//   build/benchmarks/cellkv-bench-serve --parallel-sampling [--quick] [--out FILE] [--sampling-shape 16,2048,8,256]
 #include <cellkv/batching/executor.hpp>
 #include <cellkv/cuda/device_cache.cuh>
 #include <cellkv/cuda/stream.hpp>
@@ -28,6 +40,7 @@
 
 #include "llama/gpu_llama.cuh"
 #include "decode_timing.hpp"
+#include "parallel_sampling.hpp"
 
 namespace {
 
@@ -116,6 +129,80 @@ void report(std::FILE* out, std::int32_t n, const char* impl, const Row& r) {
                p.idle_ms / steps, f.ms(), 100.0 * f.ms() / d.ms_per_step);
 }
 
+// ---- parallel sampling ----
+
+struct SamplingRow {
+  bench::SamplingJob job;  // the timed job with the median time
+  double slowest_seconds = 0, fastest_seconds = 0;
+  std::int32_t runs = 0;
+};
+
+// One cache, model and executor; one untimed job, then `runs` timed ones.
+template <class Cache>
+SamplingRow measure_sampling(const llama::Weights& weights, const bench::SamplingShape& shape, bool share,
+                             std::int32_t runs) {
+  const std::int32_t max_write = std::max(2048, shape.sessions());
+  const std::int32_t max_len = shape.prompt_len + shape.new_tokens;
+  // Prompts once, then each sample's own tokens in blocks of 64 (clustered<64>), and a step's room.
+  const std::int32_t cells = shape.prompts * shape.prompt_len + shape.sessions() * (shape.new_tokens + 128) + max_write;
+  const cellkv::CacheConfig config{.max_write = max_write, .max_cells = cells, .max_seqs = shape.sessions(),
+                                   .max_len = max_len};
+  cellkv::gpu::Stream stream;
+  Cache cache(config, {.layers = kConfig.layers, .heads_kv = kConfig.heads_kv, .head_dim = kConfig.head_dim,
+                       .heads_q = kConfig.heads_q});
+  cache.share_prefixes(share);
+  llama::GpuLlama<Cache> model(kConfig, weights, cache, stream.get(), {.max_graph_width = 256});
+  cellkv::batching::Executor exec(model, cache,
+                                  {.max_write = max_write, .min_prefill_tokens = 2, .max_tokens_per_session = max_len});
+  (void)bench::run_sampling_job(exec, shape, kConfig.vocab);  // graph captures, cuBLAS heuristics
+  std::vector<bench::SamplingJob> jobs;
+  for (std::int32_t r = 0; r < runs; ++r) jobs.push_back(bench::run_sampling_job(exec, shape, kConfig.vocab));
+  std::sort(jobs.begin(), jobs.end(), [](const auto& a, const auto& b) { return a.seconds < b.seconds; });
+  SamplingRow row;
+  row.fastest_seconds = jobs.front().seconds;
+  row.slowest_seconds = jobs.back().seconds;
+  row.runs = runs;
+  row.job = std::move(jobs[jobs.size() / 2]);
+  return row;
+}
+
+void report_sampling(std::FILE* out, const bench::SamplingShape& shape, const char* impl, bool share,
+                     const SamplingRow& r, double same_as_sharing) {
+  const bench::SamplingJob& j = r.job;
+  const double generated = static_cast<double>(j.generated);
+  std::fprintf(out,
+               "{\"work\": \"serve_parallel_sampling\", \"shape\": \"%s\", \"impl\": \"%s\", \"metric\": %.1f, "
+               "\"unit\": \"tokens/s\", \"share_prefixes\": %s, \"prompts\": %d, \"prompt_len\": %d, \"samples\": %d, "
+               "\"new_tokens\": %d, \"generated_tokens\": %lld, \"seconds\": %.4f, \"steps\": %d, "
+               "\"decode_tokens_per_s\": %.1f, \"decode_ms_per_step\": %.4f, \"decode_steps\": %d, "
+               "\"runs\": %d, \"metric_min\": %.1f, \"metric_max\": %.1f, \"same_tokens_as_sharing\": %.3f}\n",
+               shape.name().c_str(), impl, j.tokens_per_second(), share ? "true" : "false", shape.prompts,
+               shape.prompt_len, shape.samples, shape.new_tokens, static_cast<long long>(j.generated), j.seconds,
+               j.steps, j.decode_tokens_per_second(), j.decode_ms_per_step(), j.decode_steps, r.runs,
+               generated / r.slowest_seconds, generated / r.fastest_seconds, same_as_sharing);
+  std::fflush(out);
+  std::fprintf(stderr,
+               "  %-34s %10.0f tok/s (%.0f-%.0f) | job %.3f s, %d steps | decode %10.0f tok/s, %.3f ms/step over %d "
+               "steps | same tokens as sharing %.0f%%\n",
+               impl, j.tokens_per_second(), generated / r.slowest_seconds, generated / r.fastest_seconds, j.seconds,
+               j.steps, j.decode_tokens_per_second(), j.decode_ms_per_step(), j.decode_steps, 100.0 * same_as_sharing);
+}
+
+// "P,L,S,N" into a shape; false when it is not four positive numbers.
+bool parse_shape(const char* text, bench::SamplingShape& shape) {
+  std::int32_t v[4] = {};
+  const char* p = text;
+  for (std::int32_t& x : v) {
+    char* end = nullptr;
+    x = static_cast<std::int32_t>(std::strtol(p, &end, 10));
+    if (end == p || x < 1) return false;
+    p = *end == ',' ? end + 1 : end;
+  }
+  if (*p != '\0') return false;
+  shape = {v[0], v[1], v[2], v[3]};
+  return true;
+}
+
 // The weights in bf16, the order of llama::Weights (embed; per layer attn_norm, wq, wk, wv, wo,
 // ffn_norm, w1, w3, w2; final_norm; lm_head), each matrix row-major [in, out]; FILE.json the config.
 bool write_weights(const std::string& path, const llama::Weights& w) {
@@ -149,7 +236,8 @@ bool write_weights(const std::string& path, const llama::Weights& w) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false;
+  bool quick = false, parallel_sampling = false;
+  bench::SamplingShape sampling_shape;
   std::FILE* out = stdout;
   std::string weights_out;
   std::vector<std::int32_t> counts = {1, 16, 64, 256};
@@ -157,6 +245,12 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) out = std::fopen(argv[++i], "w");
     if (std::strcmp(argv[i], "--weights-out") == 0 && i + 1 < argc) weights_out = argv[++i];
+    if (std::strcmp(argv[i], "--parallel-sampling") == 0) parallel_sampling = true;
+    if (std::strcmp(argv[i], "--sampling-shape") == 0 && i + 1 < argc && !parse_shape(argv[++i], sampling_shape)) {
+      std::fprintf(stderr, "cellkv-bench-serve: --sampling-shape takes P,L,S,N (prompts, prompt tokens, samples, "
+                           "new tokens)\n");
+      return 1;
+    }
     if (std::strcmp(argv[i], "--sessions") == 0 && i + 1 < argc) {
       counts.clear();
       for (const char* p = argv[++i]; *p != '\0';) {
@@ -178,12 +272,29 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::fprintf(stderr,
-               "cellkv serve benchmark: bf16 decoder, %d layers, dim %d, H_q %d, H_kv %d, D %d, ffn %d, vocab %d; prompt %d, "
-               "max_len %d; %d timed decode steps (all sessions generating), greedy on the device, steps overlapped; "
-               "breakdown per step from %d profiled steps (host ms from the timed pass)\n",
+               "cellkv serve benchmark: bf16 decoder, %d layers, dim %d, H_q %d, H_kv %d, D %d, ffn %d, vocab %d; ",
                kConfig.layers, kConfig.dim, kConfig.heads_q, kConfig.heads_kv, kConfig.head_dim, kConfig.ffn,
-               kConfig.vocab, kPrompt, kMaxLen, kTimed, kProfiled);
+               kConfig.vocab);
+  if (parallel_sampling)
+    std::fprintf(stderr,
+                 "parallel sampling, %s; temperature 0.8, top-p 0.95 on the device; cell layout, clustered<64>; "
+                 "steps overlapped; median of %d timed jobs\n",
+                 sampling_shape.name().c_str(), quick ? 1 : 3);
+  else
+    std::fprintf(stderr,
+                 "prompt %d, max_len %d; %d timed decode steps (all sessions generating), greedy on the device, steps "
+                 "overlapped; breakdown per step from %d profiled steps (host ms from the timed pass)\n",
+                 kPrompt, kMaxLen, kTimed, kProfiled);
   try {
+    if (parallel_sampling) {
+      const std::int32_t runs = quick ? 1 : 3;
+      const SamplingRow shared = measure_sampling<Cells>(weights, sampling_shape, true, runs);
+      report_sampling(out, sampling_shape, "cellkv_cell_clustered", true, shared, 1.0);
+      const SamplingRow unshared = measure_sampling<Cells>(weights, sampling_shape, false, runs);
+      report_sampling(out, sampling_shape, "cellkv_cell_clustered_no_sharing", false, unshared,
+                      bench::same_outputs(shared.job, unshared.job));
+      return 0;
+    }
     for (const std::int32_t n : counts) {
       if (quick && n > 16) break;
       report(out, n, "cellkv_cell_clustered", measure<Cells>(weights, n));

@@ -27,7 +27,8 @@ The report
   reads cellkv's and the peer's JSON lines ({"work": "serve", "shape": "N sessions", "impl":
   cellkv_cell_clustered | cellkv_sequence | torch_compile_static, "metric": tokens/s, ...}) and prints
   one markdown table: tokens/s, the ratio to the peer, tokens per step, cellkv's step breakdown and
-  its fraction of the physical floor, then the targets met or missed.
+  its fraction of the physical floor, then the targets met or missed; then, when the file holds
+  them, the parallel-sampling rows (work "serve_parallel_sampling": sharing on and off).
 """
 
 import argparse
@@ -318,11 +319,14 @@ def run_peer(args):
 
 def report(path):
     rows = {}
+    sampling = []
     for line in open(path):
         line = line.strip()
         if not line.startswith("{"):
             continue
         rec = json.loads(line)
+        if rec.get("work") == "serve_parallel_sampling":
+            sampling.append(rec)
         if rec.get("work") != "serve":
             continue
         n = int(rec["shape"].split()[0])
@@ -362,7 +366,31 @@ def report(path):
                "graph); host times from the plain pass.")
     for what, ok in verdicts:
         out.append(f"- {'PASS' if ok else 'MISS'}: {what}")
+    out += sampling_report(sampling)
     print("\n".join(out))
+
+
+def sampling_report(recs):
+    """The parallel-sampling rows (cellkv-bench-serve --parallel-sampling): each sharing setting's
+    whole-job and decode-phase tokens/s, and sharing on over sharing off."""
+    if not recs:
+        return []
+    out = ["", "Parallel sampling (add_samples; metric = generated tokens / wall time of the whole job, prompts "
+           "fed on the way; decode = the steps in which every sample generates):", "",
+           "| shape | impl | share_prefixes | tokens/s (job) | decode tokens/s | decode ms/step | job s | "
+           "same tokens as sharing |", "|---|---|---|---|---|---|---|---|"]
+    by = {}
+    for r in recs:
+        by.setdefault(r["shape"], {})[r["share_prefixes"]] = r
+        out.append(f"| {r['shape']} | {r['impl']} | {r['share_prefixes']} | {r['metric']:.0f} | "
+                   f"{r['decode_tokens_per_s']:.0f} | {r['decode_ms_per_step']:.3f} | {r['seconds']:.3f} | "
+                   f"{100 * r['same_tokens_as_sharing']:.0f}% |")
+    for shape, pair in by.items():
+        if True in pair and False in pair:
+            on, off = pair[True], pair[False]
+            out.append(f"- {shape}: sharing on / off = {on['metric'] / off['metric']:.2f}x (job), "
+                       f"{on['decode_tokens_per_s'] / off['decode_tokens_per_s']:.2f}x (decode)")
+    return out
 
 
 def main():

@@ -4,9 +4,11 @@
 // sampling; graph replay equals eager execution; overlap equals no overlap; the skinny GEMV equals
 // cuBLAS; the GPU equals the host reference path; a hand-made schedule of widths 20, 1, 4, 2, 4,
 // 7, 3 with partial prefills matches; a stop token ends its session and the token after it is
-// discarded and rewound; cells reused across rounds leak nothing. The model computes in fp32
-// (storage and GEMMs), so a session alone and in a batch agree up to fp32 rounding: the comparison
-// is in fp32, as bf16 rounding of different batch shapes could flip a near-tie.
+// discarded and rewound; cells reused across rounds leak nothing; n samples of a prompt
+// (add_samples) share the leader's prompt cells and each equals a solo run with its own seed. The
+// model computes in fp32 (storage and GEMMs), so a session alone and in a batch agree up to fp32
+// rounding: the comparison is in fp32, as bf16 rounding of different batch shapes could flip a
+// near-tie.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -201,5 +203,31 @@ TEST_CASE("gpu executor: a stop token ends a session; the token sampled after it
   const std::int32_t seq = rig.exec.sessions().sequence_of(id).value();
   CHECK(rig.cache.host().pos(seq).value() == rig.exec.sessions().cached_tokens(id).value());
   CHECK(rig.exec.sessions().cached_tokens(id).value() == 9 + static_cast<std::int32_t>(at));
+  cellkv::test::require_device_ok();
+}
+
+TEST_CASE("gpu executor: n samples of a prompt equal each sample run alone with its seed") {
+  const SamplingParams hot{.temperature = 1.f, .top_p = 0.9f, .seed = 31};
+  Rig<Cells> rig;
+  const SessionId plain = rig.exec.sessions().add(prompt_of(13, 2), 12).value();
+  const auto ids = rig.exec.sessions().add_samples(prompt_of(50, 3), 16, hot, 4).value();
+  REQUIRE(ids.size() == 4);
+  while (rig.exec.sessions().leader_of(ids[1]).value() != 0) REQUIRE(rig.exec.step().ok());
+  // Every sample holds the leader's cells for the prompt but its last token.
+  const auto& host = rig.cache.host();
+  const std::int32_t leader_seq = rig.exec.sessions().sequence_of(ids[0]).value();
+  for (std::size_t i = 1; i < ids.size(); ++i) {
+    const std::int32_t seq = rig.exec.sessions().sequence_of(ids[i]).value();
+    for (std::int32_t p = 0; p < 49; ++p) CHECK(host.cell_of(seq, p) == host.cell_of(leader_seq, p));
+  }
+  REQUIRE(rig.exec.run_until_idle().ok());
+  CHECK(rig.output(plain) == solo<Cells>(prompt_of(13, 2), 12));
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    CAPTURE(i);
+    SamplingParams own = hot;
+    own.seed = 31 + i;
+    CHECK(rig.output(ids[i]) == solo<Cells>(prompt_of(50, 3), 16, own));
+  }
+  CHECK(rig.model.graph_stats().replays > 0);
   cellkv::test::require_device_ok();
 }

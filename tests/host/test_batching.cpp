@@ -3,7 +3,8 @@
 // slices planned against the room left in a step, the min_prefill waiting rule, positions from
 // declare_step, logit rows, clones sharing cells, every refusal with a snapshot compare of the
 // table and the cache, a long random simulation checked step by step against a model, and the
-// no-starvation bound under steady decoding).
+// no-starvation bound under steady decoding), and n samples of a prompt (add_samples: the samples
+// wait for the leader, then share its prompt's cells; a finished leader hands them on; refusals).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -870,6 +871,7 @@ struct Model {
   std::int32_t shared = 0;  // prompt tokens taken from the clone source
   std::int32_t fed = 0;     // prompt tokens in the sequence, shared ones included
   std::int32_t seq = 0;
+  SessionId leader = 0;     // a sample of add_samples waiting for its leader's prompt cells
   std::int32_t added_at = 0;  // accepted steps before it was added
   std::int32_t feed_bound = 0;  // it must be fed within this many accepted steps (when bounded)
   Tokens content;     // the tokens at positions [0, pos) of its sequence
@@ -897,6 +899,9 @@ struct SimConfig {
 struct SimCounts {
   std::int32_t steps = 0, added = 0, cloned = 0, finished = 0, reaped = 0, refused = 0, abandoned = 0,
                out_of_cells = 0, idle = 0;
+  std::int32_t sampled = 0;  // add_samples calls that succeeded
+  std::int32_t adopted = 0;  // samples that got their leader's cells
+  std::int32_t handed_on = 0;  // leaders finished while samples waited
   std::int64_t decode_tokens = 0, prompt_tokens = 0;  // in accepted steps
   std::int32_t fully_fed = 0;        // sessions whose prompt went in completely (shared prefix aside)
   std::int32_t longest_feed = 0;     // most accepted steps from add/clone to fully fed
@@ -937,6 +942,7 @@ class Simulation {
   void events() {
     if (chance(30)) add();
     if (chance(10) && !models_.empty()) clone();
+    if (chance(8)) add_samples();
     if (chance(4) && !models_.empty()) finish(pick());
     if (chance(50)) reap();
   }
@@ -978,6 +984,61 @@ class Simulation {
     ++counts_.cloned;
   }
 
+  // n samples of one prompt: the first leads, the others wait for it, each in a sequence of its own;
+  // sample i draws with seed + i.
+  void add_samples() {
+    const std::int32_t budget = limits_.max_tokens_per_session;
+    Tokens prompt(static_cast<std::size_t>(uniform(1, max_prompt_)));
+    for (auto& t : prompt) t = uniform(0, 999);
+    const auto n = static_cast<std::int32_t>(prompt.size());
+    const std::int32_t max_new = uniform(0, budget - n + 3);
+    const std::int32_t samples = uniform(1, 4);
+    const std::int32_t free = cache_.max_seqs() - cache_.live_count();
+    const auto seed = static_cast<std::uint64_t>(uniform(0, 1000));
+    const auto got = table_.add_samples(prompt, max_new, {.temperature = 1.f, .seed = seed}, samples);
+    if (n + max_new > budget) return expect_refused(got.status(), Errc::over_budget);
+    if (free < samples) return expect_refused(got.status(), Errc::too_many_sessions);
+    REQUIRE(got.ok());
+    REQUIRE(got.value().size() == static_cast<std::size_t>(samples));
+    for (std::int32_t i = 0; i < samples; ++i) {
+      const SessionId id = got.value()[static_cast<std::size_t>(i)];
+      REQUIRE(table_.sampling(id).value().seed == seed + static_cast<std::uint64_t>(i));
+      Model m;
+      m.prompt = prompt;
+      m.max_new = max_new;
+      m.leader = i == 0 ? 0 : got.value().front();
+      start(id, std::move(m));
+    }
+    ++counts_.sampled;
+  }
+
+  // Whether a sample waits for session `id`'s prompt cells.
+  bool has_waiters(SessionId id) const {
+    return std::any_of(models_.begin(), models_.end(), [id](const auto& e) { return e.second.leader == id; });
+  }
+
+  // What next_step does before it packs prompt slices: every sample whose leader has fed
+  // prompt.size() - 1 prompt tokens leaves its reserved sequence for a clone of those positions,
+  // which takes the lowest free sequence id.
+  void adopt() {
+    std::vector<bool> live(static_cast<std::size_t>(cache_.max_seqs()));
+    for (std::int32_t s = 0; s < cache_.max_seqs(); ++s) live[static_cast<std::size_t>(s)] = cache_.is_live(s);
+    for (auto& [id, m] : models_) {
+      if (m.leader == 0) continue;
+      const Model& leader = models_.at(m.leader);
+      const auto shared = static_cast<std::int32_t>(leader.prompt.size()) - 1;
+      if (leader.fed < shared) continue;
+      live[static_cast<std::size_t>(m.seq)] = false;
+      m.seq = static_cast<std::int32_t>(std::find(live.begin(), live.end(), false) - live.begin());
+      live[static_cast<std::size_t>(m.seq)] = true;
+      m.shared = shared;
+      m.fed = shared;
+      m.content.assign(leader.content.begin(), leader.content.begin() + shared);
+      m.leader = 0;
+      ++counts_.adopted;
+    }
+  }
+
   // Fills in what the table decides (the sequence) and the no-starvation bound: with at most
   // max_write sequences, fewer than max_write sessions generate while one feeds, so every accepted
   // step feeds the oldest feeding session a token; the new session is fed once the prompt tokens
@@ -1009,12 +1070,20 @@ class Simulation {
     CHECK_FALSE(cache_.is_live(m.seq));
     models_.erase(id);
     ++counts_.finished;
+    // Its waiting samples, if any: the oldest feeds the prompt itself and leads the others.
+    SessionId heir = 0;
+    for (auto& [other, o] : models_) {
+      if (o.leader != id) continue;
+      o.leader = heir;
+      if (heir == 0) heir = other;
+    }
+    counts_.handed_on += heir != 0 ? 1 : 0;
   }
 
   void reap() {
     Ids expected;
     for (const auto& [id, m] : models_)
-      if (m.done()) expected.push_back(id);
+      if (m.done() && !has_waiters(id)) expected.push_back(id);
     REQUIRE(table_.reap() == expected);
     for (const SessionId id : expected) {
       const Model& m = models_.at(id);
@@ -1050,7 +1119,7 @@ class Simulation {
     const std::int32_t min = limits_.min_prefill_tokens;
     bool prompt_in_step = false;
     for (const auto& [id, m] : models_) {
-      if (!m.feeding()) continue;
+      if (!m.feeding() || m.leader != 0) continue;
       if (room == 0) break;
       const bool room_is_short = room < min && min <= limits_.max_write && m.left() >= min;
       if (room_is_short && prompt_in_step) {
@@ -1073,10 +1142,13 @@ class Simulation {
 
   void step() {
     bool short_feed = false, short_wait = false;
+    adopt();
     const StepBatch expected = expected_batch(short_feed, short_wait);
     counts_.short_feeds += short_feed;
     counts_.short_waits += short_wait;
+    const std::size_t copies = cache_.pending_changes().copies.size();
     auto got = table_.next_step();
+    copy_rows(copies);  // the sequence layout's copies of the adopted samples' prompt rows
     if (expected.tokens.empty()) {
       CHECK(got.status() == Errc::empty_step);
       ++counts_.idle;
@@ -1154,11 +1226,13 @@ class Simulation {
     ++counts_.steps;
   }
 
-  // Sequence layout forks copy rows: mirror the copies in row_token_.
-  void copy_rows() {
-    for (const RowCopy& c : cache_.pending_changes().copies)
-      for (std::int32_t i = 0; i < c.rows; ++i)
-        row_token_[static_cast<std::size_t>(c.dst_row + i)] = row_token_[static_cast<std::size_t>(c.src_row + i)];
+  // Sequence layout forks copy rows: mirror the copies in row_token_, from copy number `first` on.
+  void copy_rows(std::size_t first = 0) {
+    const auto& copies = cache_.pending_changes().copies;
+    for (std::size_t k = first; k < copies.size(); ++k)
+      for (std::int32_t i = 0; i < copies[k].rows; ++i)
+        row_token_[static_cast<std::size_t>(copies[k].dst_row + i)] =
+            row_token_[static_cast<std::size_t>(copies[k].src_row + i)];
   }
 
   [[nodiscard]] std::int64_t row_of(std::int32_t seq, std::int32_t p) const {
@@ -1186,19 +1260,23 @@ class Simulation {
     cache_.acknowledge_changes();
     REQUIRE(table_.live_count() == static_cast<std::int32_t>(models_.size()));
     REQUIRE(table_.live_count() == cache_.live_count());
-    std::int32_t feeding = 0, generating = 0, done = 0;
+    std::int32_t feeding = 0, generating = 0, done = 0, waiting = 0;
     for (const auto& [id, m] : models_) {
       const auto held = static_cast<std::int32_t>(m.content.size());
       REQUIRE(table_.sequence_of(id).value() == m.seq);
       REQUIRE(table_.cached_tokens(id).value() == held);
       REQUIRE(cache_.pos(m.seq).value() == held);
       REQUIRE(to_tokens(table_.output(id).value()) == m.outputs);
+      REQUIRE(table_.leader_of(id).value() == m.leader);
       if (bounded_ && m.feeding()) REQUIRE(counts_.steps - m.added_at < m.feed_bound);  // not starved
+      const bool held_back = m.done() && has_waiters(id);  // a leader is not done while samples wait
       feeding += m.feeding();
-      generating += m.generating();
-      done += m.done();
+      generating += m.generating() || held_back;
+      done += m.done() && !held_back;
+      waiting += m.leader != 0;
       CHECK(rows_hold(m));
     }
+    REQUIRE(table_.waiting_count() == waiting);
     REQUIRE(table_.feeding_count() == feeding);
     REQUIRE(table_.generating_count() == generating);
     REQUIRE(table_.done_count() == done);
@@ -1235,7 +1313,7 @@ const SimConfig kSteadyConfigs[] = {
 
 TEST_CASE("session table: long random simulation, cell layout") {
   std::int32_t out_of_cells = 0;  // a small pool: steps are refused, abandoned, and sessions leave
-  std::int32_t short_feeds = 0, short_waits = 0;
+  std::int32_t short_feeds = 0, short_waits = 0, handed_on = 0;
   for (const SimConfig& config : kSimConfigs) {
     INFO("seed ", config.seed);
     Cells cache({.max_write = 8, .max_cells = 64, .max_seqs = 12});
@@ -1247,13 +1325,18 @@ TEST_CASE("session table: long random simulation, cell layout") {
     CHECK(n.reaped > 0);
     CHECK(n.refused > 0);
     CHECK(n.abandoned > 0);
+    CHECK(n.sampled > 0);
+    CHECK(n.adopted > 0);
+    handed_on += n.handed_on;
     out_of_cells += n.out_of_cells;
     short_feeds += n.short_feeds;
     short_waits += n.short_waits;
     MESSAGE("cell seed ", config.seed, ": steps ", n.steps, " added ", n.added, " cloned ", n.cloned, " finished ",
             n.finished, " reaped ", n.reaped, " refused ", n.refused, " abandoned ", n.abandoned, " out_of_cells ",
-            n.out_of_cells, " idle ", n.idle, " short feeds ", n.short_feeds, " short waits ", n.short_waits);
+            n.out_of_cells, " idle ", n.idle, " short feeds ", n.short_feeds, " short waits ", n.short_waits,
+            " sampled ", n.sampled, " adopted ", n.adopted, " handed on ", n.handed_on);
   }
+  CHECK(handed_on > 0);  // a leader left while its samples waited
   CHECK(out_of_cells > 0);
   CHECK(short_feeds > 0);  // the waiting rule was exercised both ways
   CHECK(short_waits > 0);
@@ -1281,7 +1364,7 @@ TEST_CASE("session table: no starvation under steady decoding") {
             " short feeds ", n.short_feeds, " short waits ", n.short_waits,
             " fully fed ", n.fully_fed, " longest feed ", n.longest_feed, " largest bound ", n.largest_bound,
             " decode tokens ", n.decode_tokens, " prompt tokens ", n.prompt_tokens, " abandoned ", n.abandoned,
-            " out_of_cells ", n.out_of_cells);
+            " out_of_cells ", n.out_of_cells, " adopted ", n.adopted);
   }
   CHECK(short_feeds > 0);
 }
@@ -1293,10 +1376,12 @@ TEST_CASE("session table: long random simulation, sequence layout") {
     const SimCounts n = Simulation<Slots>(cache, config).run(config.steps);
     CHECK(n.steps > config.steps / 2);
     CHECK(n.cloned > 0);
+    CHECK(n.adopted > 0);
     CHECK(n.reaped > 0);
     CHECK(n.out_of_cells == 0);
     MESSAGE("slot seed ", config.seed, ": steps ", n.steps, " added ", n.added, " cloned ", n.cloned, " finished ",
-            n.finished, " reaped ", n.reaped, " refused ", n.refused, " abandoned ", n.abandoned, " idle ", n.idle);
+            n.finished, " reaped ", n.reaped, " refused ", n.refused, " abandoned ", n.abandoned, " idle ", n.idle,
+            " sampled ", n.sampled, " adopted ", n.adopted);
   }
 }
 
@@ -1513,4 +1598,283 @@ TEST_CASE("session table: log-probs are kept for the sessions that ask") {
   CHECK(table.accept(Tokens{7, -3}) == Errc::bad_argument);
   REQUIRE(table.accept(Tokens{9, 10}).ok());  // no log-probs given: 0
   CHECK(table.logprobs(a).value().size() == 2);
+}
+
+// ================================ n samples of a prompt (add_samples) ================================
+
+namespace {
+
+// The cells sequence `seq` holds at positions [0, n), by position.
+std::vector<std::int32_t> cells_of(const Cells& cache, std::int32_t seq, std::int32_t n) {
+  std::vector<std::int32_t> cells;
+  for (std::int32_t p = 0; p < n; ++p) cells.push_back(cache.cell_of(seq, p));
+  return cells;
+}
+
+// How many live sequences hold `cell`.
+std::int32_t owner_count(const Cells& cache, std::int32_t cell) {
+  std::int32_t n = 0;
+  for (std::int32_t s = 0; s < cache.max_seqs(); ++s) n += cache.cell_owners(cell).test(s) ? 1 : 0;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("add_samples: the samples wait for the leader's prompt, then share its cells") {
+  auto cache = make_cells();
+  CellTable table(cache, {.max_write = 4, .min_prefill_tokens = 2, .max_tokens_per_session = 16});
+  const SamplingParams sampling{.temperature = 1.f, .top_k = 9, .seed = 40, .stop_tokens = {63}};
+  const Ids ids = table.add_samples(iota_tokens(1, 6), 2, sampling, 3).value();
+  REQUIRE(ids == Ids{1, 2, 3});
+  // Three sequences, empty; the two followers wait for the leader; seeds 40, 41, 42.
+  CHECK(cache.live_count() == 3);
+  CHECK(cache.free_cells() == 64);
+  CHECK(table.free_sequences() == cache.max_seqs() - 3);
+  CHECK(table.leader_of(1).value() == 0);
+  CHECK(table.leader_of(2).value() == 1);
+  CHECK(table.leader_of(3).value() == 1);
+  CHECK(table.waiting_count() == 2);
+  CHECK(table.feeding_count() == 3);
+  for (std::size_t i = 0; i < 3; ++i) {
+    SamplingParams own = sampling;
+    own.seed = 40 + i;
+    CHECK(table.sampling(ids[i]).value() == own);
+    CHECK(to_tokens(table.prompt(ids[i]).value()) == iota_tokens(1, 6));
+    CHECK(table.max_new_tokens(ids[i]).value() == 2);
+    CHECK(table.cached_tokens(ids[i]).value() == 0);
+  }
+  check_positions(cache, table);
+
+  // The leader alone feeds its prompt: 4 tokens, then 2 (its logits give its first token).
+  Ran r = run(cache, table, {});
+  CHECK(r.batch.tokens == Tokens{1, 2, 3, 4});
+  CHECK(r.batch.logit_rows == LogitRows{{3, 1, false}});
+  CHECK(table.leader_of(2).value() == 1);  // fed 4 < 5: still waiting
+  r = run(cache, table, {50});
+  CHECK(r.batch.tokens == Tokens{5, 6});
+  CHECK(r.batch.seqs == Tokens{0, 0});
+  CHECK(table.waiting_count() == 2);  // they get their cells when the next step is packed
+  check_positions(cache, table);
+
+  // The next step gives them the leader's cells of positions 0..4; each feeds prompt token 6 itself.
+  r = declare(cache, table);
+  const std::int32_t s2 = table.sequence_of(2).value(), s3 = table.sequence_of(3).value();
+  CHECK(table.waiting_count() == 0);
+  CHECK(table.leader_of(2).value() == 0);
+  CHECK(r.batch.tokens == Tokens{50, 6, 6});
+  CHECK(r.batch.seqs == Tokens{0, s2, s3});
+  CHECK(r.batch.logit_rows == LogitRows{{0, 1, true}, {1, 2, true}, {2, 3, true}});
+  CHECK(r.positions == Positions{6, 5, 5});
+  const std::vector<std::int32_t> prompt_cells = cells_of(cache, 0, 5);
+  CHECK(cells_of(cache, s2, 5) == prompt_cells);
+  CHECK(cells_of(cache, s3, 5) == prompt_cells);
+  for (const std::int32_t cell : prompt_cells) CHECK(owner_count(cache, cell) == 3);
+  // Position 5 (prompt token 6): a cell of each sequence's own.
+  const std::int32_t own[] = {cache.cell_of(0, 5), cache.cell_of(s2, 5), cache.cell_of(s3, 5)};
+  CHECK(own[0] != own[1]);
+  CHECK(own[1] != own[2]);
+  CHECK(own[0] != own[2]);
+  for (const std::int32_t cell : own) CHECK(owner_count(cache, cell) == 1);
+  // 6 prompt tokens and the leader's first token, then one token each: zero copy.
+  CHECK(cache.free_cells() == 64 - (6 + 1 + 1 + 1));
+  REQUIRE(table.accept(Tokens{51, 60, 70}).ok());
+  CHECK(table.state(1).value() == SessionState::done);
+  r = run(cache, table, {61, 71});
+  CHECK(r.batch.tokens == Tokens{60, 70});
+  CHECK(to_tokens(table.output(1).value()) == Tokens{50, 51});
+  CHECK(to_tokens(table.output(2).value()) == Tokens{60, 61});
+  CHECK(to_tokens(table.output(3).value()) == Tokens{70, 71});
+  check_positions(cache, table);
+  CHECK(table.reap() == ids);
+  CHECK(cache.free_cells() == 64);
+  CHECK(cache.live_count() == 0);
+}
+
+TEST_CASE("add_samples: a leader whose slices end at prompt.size() - 1 feeds the last token with its samples") {
+  auto cache = make_cells();
+  CellTable table(cache, {.max_write = 4, .min_prefill_tokens = 2, .max_tokens_per_session = 16});
+  const Ids ids = table.add_samples(iota_tokens(1, 5), 1, {}, 3).value();
+  run(cache, table, {});  // 4 tokens: prompt.size() - 1
+  const Ran r = declare(cache, table);
+  const std::int32_t s2 = table.sequence_of(ids[1]).value(), s3 = table.sequence_of(ids[2]).value();
+  CHECK(r.batch.tokens == Tokens{5, 5, 5});
+  CHECK(r.batch.seqs == Tokens{0, s2, s3});
+  CHECK(r.positions == Positions{4, 4, 4});
+  CHECK(cells_of(cache, s2, 4) == cells_of(cache, 0, 4));
+  CHECK(cells_of(cache, s3, 4) == cells_of(cache, 0, 4));
+  CHECK(cache.free_cells() == 64 - (4 + 3));
+  REQUIRE(table.accept(Tokens{7, 8, 9}).ok());
+  CHECK(table.done_count() == 3);
+}
+
+TEST_CASE("add_samples: one sample is add; a one-token prompt gives the samples their sequences at once") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const Ids one = table.add_samples(Tokens{4, 5}, 3, {.temperature = 0.5f, .seed = 9}, 1).value();
+  CHECK(one == Ids{1});
+  auto other_cache = make_cells();
+  CellTable other(other_cache, kLimits);
+  REQUIRE(other.add(Tokens{4, 5}, 3, {.temperature = 0.5f, .seed = 9}).ok());
+  CHECK(table == other);  // the same table as add makes
+  CHECK(cache == other_cache);
+
+  const Ids ids = table.add_samples(Tokens{7}, 2, {}, 3).value();
+  CHECK(ids == Ids{2, 3, 4});
+  const Ran r = declare(cache, table);  // the leader has fed 0 = prompt.size() - 1 tokens
+  CHECK(table.waiting_count() == 0);
+  CHECK(r.batch.tokens == Tokens{4, 5, 7, 7, 7});
+  CHECK(r.positions == Positions{0, 1, 0, 0, 0});
+  REQUIRE(table.accept(Tokens{1, 2, 3, 4}).ok());
+  check_positions(cache, table);
+}
+
+TEST_CASE("add_samples: a leader is not done while a sample waits for its cells; reap keeps it") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const Ids ids = table.add_samples(Tokens{1, 2}, 1, {}, 2).value();
+  run(cache, table, {9});  // the leader feeds its prompt and draws its only token
+  CHECK(table.state(ids[0]).value() == SessionState::generating);  // its sample still waits
+  CHECK(table.reap().empty());
+  const Ran r = declare(cache, table);
+  CHECK(table.state(ids[0]).value() == SessionState::done);
+  CHECK(r.batch.tokens == Tokens{2});
+  CHECK(r.positions == Positions{1});
+  CHECK(cache.cell_of(table.sequence_of(ids[1]).value(), 0) == cache.cell_of(0, 0));
+  REQUIRE(table.accept(Tokens{8}).ok());
+  CHECK(table.reap() == ids);
+}
+
+TEST_CASE("add_samples: a waiting sample can be finished; a finished leader hands its samples on") {
+  auto cache = make_cells();
+  CellTable table(cache, {.max_write = 4, .min_prefill_tokens = 2, .max_tokens_per_session = 16});
+  const Ids ids = table.add_samples(iota_tokens(1, 6), 1, {}, 4).value();
+  run(cache, table, {});                       // the leader has fed 4 tokens
+  REQUIRE(table.finish(ids[3]).ok());          // a waiting sample leaves: its reserved sequence is freed
+  CHECK(cache.live_count() == 3);
+  REQUIRE(table.finish(ids[0]).ok());          // the leader leaves: the oldest sample leads the last one
+  CHECK(cache.live_count() == 2);
+  CHECK(table.leader_of(ids[1]).value() == 0);
+  CHECK(table.leader_of(ids[2]).value() == ids[1]);
+  CHECK(table.waiting_count() == 1);
+  const std::int32_t s1 = table.sequence_of(ids[1]).value();
+  Ran r = run(cache, table, {});               // the new leader feeds the prompt from its start
+  CHECK(r.batch.tokens == Tokens{1, 2, 3, 4});
+  CHECK(r.batch.seqs == Tokens(4, s1));
+  r = run(cache, table, {30});
+  CHECK(r.batch.tokens == Tokens{5, 6});
+  r = declare(cache, table);                   // the last sample gets the new leader's cells
+  const std::int32_t s2 = table.sequence_of(ids[2]).value();
+  CHECK(r.batch.tokens == Tokens{6});
+  CHECK(r.batch.seqs == Tokens{s2});
+  CHECK(r.positions == Positions{5});
+  CHECK(cells_of(cache, s2, 5) == cells_of(cache, s1, 5));
+  REQUIRE(table.accept(Tokens{31}).ok());
+  CHECK(table.reap() == Ids{ids[1], ids[2]});
+  CHECK(cache.free_cells() == 64);
+}
+
+TEST_CASE("add_samples: abandon keeps the cells a step gave the samples and rewinds what they fed") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const Ids ids = table.add_samples(Tokens{1, 2, 3}, 2, {}, 2).value();
+  run(cache, table, {9});
+  const Ran r = declare(cache, table);         // the sample gets its cells and feeds prompt token 3
+  const std::int32_t s = table.sequence_of(ids[1]).value();
+  CHECK(r.batch.seqs == Tokens{0, s});
+  const auto points = table.abandon();
+  CHECK(points == std::vector<RewindPoint>{{0, 3}, {s, 2}});
+  CHECK(table.leader_of(ids[1]).value() == 0);
+  CHECK(cache.pos(s).value() == 2);
+  CHECK(cells_of(cache, s, 2) == cells_of(cache, 0, 2));
+  check_positions(cache, table);
+  const Ran again = run(cache, table, {10, 20});
+  CHECK(again.batch == r.batch);
+}
+
+TEST_CASE("add_samples: a refused next_step gives no sample its cells") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{1}, 6).value();
+  const SessionId b = table.add(Tokens{2}, 6).value();
+  auto step = [&](std::int32_t width) {
+    auto s = table.next_step(width);
+    REQUIRE(s.ok());
+    REQUIRE(cache.declare_step(s.value().seqs).ok());
+    REQUIRE(table.accept_pending().ok());
+  };
+  step(0);  // a and b sample
+  step(1);  // room for a alone: b's token is still the one from step 1
+  const Ids ids = table.add_samples(Tokens{5}, 2, {}, 2).value();  // could get its cells at once
+  const CellTable table_before = table;
+  const Cells cache_before = cache;
+  CHECK(table.next_step().status() == Errc::bad_argument);
+  CHECK(table == table_before);
+  CHECK(cache == cache_before);
+  CHECK(table.leader_of(ids[1]).value() == ids[0]);
+  (void)a;
+  (void)b;
+}
+
+TEST_CASE("add_samples: on the sequence layout the samples copy the prompt's rows") {
+  Slots cache({.max_write = 8, .max_seqs = 4, .max_len = 16});
+  SlotTable table(cache, {.max_write = 4, .min_prefill_tokens = 2, .max_tokens_per_session = 16});
+  const Ids ids = table.add_samples(iota_tokens(1, 6), 2, {}, 2).value();
+  run(cache, table, {});
+  run(cache, table, {40});
+  cache.acknowledge_changes();
+  const Ran r = declare(cache, table);
+  const std::int32_t s = table.sequence_of(ids[1]).value();
+  REQUIRE(cache.pending_changes().copies.size() == 1);
+  CHECK(cache.pending_changes().copies[0] == RowCopy{0, cache.slot_begin(s), 5});
+  CHECK(r.batch.seqs == Tokens{0, s});
+  CHECK(r.positions == Positions{6, 5});
+  REQUIRE(table.accept(Tokens{41, 50}).ok());
+  check_positions(cache, table);
+}
+
+TEST_CASE("add_samples: refusals change nothing") {
+  Cells cache = make_cells(4, 64);
+  CellTable table(cache, {.max_write = 8, .min_prefill_tokens = 2, .max_tokens_per_session = 32, .vocab = 50});
+  REQUIRE(table.add(Tokens{1, 2}, 3).ok());  // 3 sequences left
+  const CellTable table_before = table;
+  const Cells cache_before = cache;
+  auto refused = [&](SessionStatus got, Errc code, SessionErrc detail) {
+    CHECK(got == code);
+    CHECK(got == detail);
+    CHECK(table == table_before);
+    CHECK(cache == cache_before);
+  };
+  refused(table.add_samples(Tokens{1}, 2, {}, 0).status(), Errc::bad_argument, SessionErrc::bad_sample_count);
+  refused(table.add_samples(Tokens{1}, 2, {}, -3).status(), Errc::bad_argument, SessionErrc::bad_sample_count);
+  refused(table.add_samples(Tokens{}, 2, {}, 2).status(), Errc::bad_argument, SessionErrc::none);
+  refused(table.add_samples(Tokens{1}, -1, {}, 2).status(), Errc::bad_argument, SessionErrc::none);
+  refused(table.add_samples(Tokens{1, 50}, 2, {}, 2).status(), Errc::bad_argument, SessionErrc::token_out_of_vocab);
+  refused(table.add_samples(Tokens{1}, 2, {.top_p = 2.f}, 2).status(), Errc::bad_argument, SessionErrc::bad_top_p);
+  refused(table.add_samples(Tokens{1}, 2, {.stop_tokens = {50}}, 2).status(), Errc::bad_argument,
+          SessionErrc::bad_stop_token);
+  refused(table.add_samples(iota_tokens(0, 30), 3, {}, 2).status(), Errc::over_budget, SessionErrc::none);
+  refused(table.add_samples(iota_tokens(0, 40), 0, {}, 2).status(), Errc::over_budget, SessionErrc::none);
+  // 64 cells: a prompt of 30 and 35 new tokens would hold 64 + 1 tokens.
+  CellTable wide(cache, {.max_write = 8, .min_prefill_tokens = 2, .max_tokens_per_session = 100});
+  const CellTable wide_before = wide;
+  CHECK(wide.add_samples(iota_tokens(0, 30), 36, {}, 2).status() == SessionErrc::exceeds_cache);
+  CHECK(wide == wide_before);
+  CHECK(cache == cache_before);
+  // More samples than free sequences: refused before any sequence is made.
+  refused(table.add_samples(Tokens{1}, 2, {}, 4).status(), Errc::too_many_sessions, SessionErrc::none);
+  refused(table.add_samples(Tokens{1}, 2, {}, 400).status(), Errc::too_many_sessions, SessionErrc::none);
+  CHECK(table.add_samples(Tokens{1}, 2, {}, 3).value() == Ids{2, 3, 4});
+  CHECK(table.free_sequences() == 0);
+}
+
+TEST_CASE("add_samples: refused while a batch is in flight") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  REQUIRE(table.add(Tokens{1, 2}, 3).ok());
+  declare(cache, table);
+  const CellTable table_before = table;
+  const Cells cache_before = cache;
+  CHECK(table.add_samples(Tokens{1}, 2, {}, 2).status() == Errc::bad_argument);
+  CHECK(table == table_before);
+  CHECK(cache == cache_before);
 }

@@ -2,9 +2,10 @@
 // solo generation token for token (different prompt lengths, a fork), a hand-made schedule of
 // widths 20, 1, 4, 2, 4, 7, 3 with partial prefills uses both methods and still matches, and cells
 // reused across rounds of sessions leak nothing; seeded sampling is the same batched, solo, with or
-// without overlap; stop tokens end sessions (the token after is discarded and rewound); tokens come
-// back one step behind; refusals at add (budgets, ids, sampling) and at step time (naming the
-// session) change nothing. The host path computes in fp32 with a fixed summation order per row,
+// without overlap; n samples of a prompt (add_samples) each equal a solo run with the sample's
+// seed, and hold the leader's prompt cells; stop tokens end sessions (the token after is discarded
+// and rewound); tokens come back one step behind; refusals at add (budgets, ids, sampling) and at
+// step time (naming the session) change nothing. The host path computes in fp32 with a fixed summation order per row,
 // so equality is exact up to float ties.
 #include <doctest/doctest.h>
 
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cellkv/batching/executor.hpp"
@@ -309,4 +311,69 @@ TEST_CASE("host executor: with overlap, tokens come back one step behind; drain 
   REQUIRE(exec.run_until_idle().ok());
   CHECK(output_of(exec, id) == solo<Cells>(prompt_of(4, 1), 5));
   CHECK(exec.step().status() == Errc::empty_step);
+}
+
+namespace {
+
+// Sample i of add_samples(prompt, max_new, p, n) draws with seed p.seed + i.
+SamplingParams with_seed(SamplingParams p, std::uint64_t seed) {
+  p.seed = seed;
+  return p;
+}
+
+// Two groups of samples (a prompt longer than a step, whose leader feeds in chunks, and a one-token
+// prompt) beside a plain session, run to the end; each sample must equal a solo run of its prompt
+// with its own seed on a fresh cache.
+template <class Cache>
+void samples_equal_solo(ExecutorOptions options) {
+  Cache cache(kCacheConfig);
+  llama::HostLlama<Cache> model(kConfig, weights(), cache);
+  Executor exec(model, cache, kLimits, options);
+  const SamplingParams hot{.temperature = 1.f, .top_p = 0.9f, .seed = 100};
+  const SamplingParams warm{.temperature = 0.7f, .top_k = 12, .seed = 7, .logprobs = true};
+  const SessionId plain = exec.sessions().add(prompt_of(11, 4), 10, kSessionSampling[0]).value();
+  const auto long_ids = exec.sessions().add_samples(prompt_of(40, 5), 12, hot, 4).value();
+  const auto short_ids = exec.sessions().add_samples(prompt_of(1, 6), 9, warm, 3).value();
+  REQUIRE(long_ids.size() == 4);
+  REQUIRE(short_ids.size() == 3);
+  // The long prompt's samples wait while its leader feeds; then they hold its prompt's cells.
+  std::int32_t steps = 0;
+  while (exec.sessions().leader_of(long_ids[1]).value() != 0) {
+    CHECK(exec.sessions().cached_tokens(long_ids[1]).value() == 0);
+    REQUIRE(exec.step().ok());
+    ++steps;
+  }
+  CHECK(steps >= 2);  // 40 prompt tokens, at most 24 a step
+  if constexpr (std::is_same_v<typename Cache::Layout, layout::cell>) {
+    const std::int32_t leader_seq = exec.sessions().sequence_of(long_ids[0]).value();
+    for (std::size_t i = 1; i < long_ids.size(); ++i) {
+      const std::int32_t seq = exec.sessions().sequence_of(long_ids[i]).value();
+      for (std::int32_t p = 0; p < 39; ++p) CHECK(cache.cell_of(seq, p) == cache.cell_of(leader_seq, p));
+    }
+  }
+  REQUIRE(exec.run_until_idle().ok());
+  CHECK(output_of(exec, plain) == solo_sampled<Cache>(prompt_of(11, 4), 10, kSessionSampling[0]));
+  std::vector<std::vector<std::int32_t>> outputs;
+  for (std::size_t i = 0; i < long_ids.size(); ++i) {
+    CAPTURE(i);
+    outputs.push_back(output_of(exec, long_ids[i]));
+    CHECK(outputs.back() == solo_sampled<Cells>(prompt_of(40, 5), 12, with_seed(hot, 100 + i)));
+  }
+  for (std::size_t i = 0; i < short_ids.size(); ++i) {
+    CAPTURE(i);
+    outputs.push_back(output_of(exec, short_ids[i]));
+    CHECK(outputs.back() == solo_sampled<Cells>(prompt_of(1, 6), 9, with_seed(warm, 7 + i)));
+    CHECK(exec.sessions().logprobs(short_ids[i]).value().size() == 9);
+  }
+  // The samples of one prompt differ from each other: each has its own seed.
+  for (std::size_t i = 0; i < outputs.size(); ++i)
+    for (std::size_t j = i + 1; j < outputs.size(); ++j) CHECK(outputs[i] != outputs[j]);
+}
+
+}  // namespace
+
+TEST_CASE("host executor: n samples of a prompt equal each sample run alone with its seed") {
+  SUBCASE("cell layout") { samples_equal_solo<Cells>({}); }
+  SUBCASE("cell layout, no overlap") { samples_equal_solo<Cells>({.overlap = false}); }
+  SUBCASE("sequence layout") { samples_equal_solo<Slots>({}); }
 }

@@ -5,8 +5,12 @@
 //   Executor exec(model, cache, {.max_write = 64, .min_prefill_tokens = model.min_prefill_tokens(),
 //                                .max_tokens_per_session = 512});
 //   auto id = exec.sessions().add(prompt, 32, {.temperature = 0.8f, .top_p = 0.95f, .seed = 1}).value();
+//   auto ids = exec.sessions().add_samples(prompt, 32, {.temperature = 0.8f, .seed = 2}, 8).value();
 //   while (exec.step().ok()) {}                   // continuous batching: add sessions between steps
 //   auto tokens = exec.sessions().output(id).value();
+//
+// Sessions are added, sampled n times (add_samples: n samples of one prompt that share its cells,
+// each with its own seed), cloned and finished through sessions(), the SessionTable, between steps.
 //
 // Overlap (ExecutorOptions::overlap, on by default): step() packs and places step n + 1 and
 // enqueues it (model.forward) while the model still runs step n, and only then waits for step n's
@@ -85,7 +89,8 @@ class Executor {
   // Refuses with empty_step when no session has work and nothing is in flight; with the cache's
   // refusal (out_of_cells, sequence_full: the status names the first session whose tokens do not
   // fit) or the model's when placement or the forward fails: the step is then abandoned (rolled
-  // back) and nothing changes in the sessions but the tokens of earlier steps coming back.
+  // back) and nothing changes in the sessions but the tokens of earlier steps coming back (and the
+  // cells the step's packing gave waiting samples, which they keep).
   SessionResult<std::int32_t> step(std::int32_t max_tokens = 0) {
     const auto t0 = Clock::now();
     auto batch = table_.next_step(max_tokens);

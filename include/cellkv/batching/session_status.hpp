@@ -7,10 +7,10 @@
 //   id.status().message();  // "bad argument: ...: temperature must be finite and >= 0"
 //
 // The details live here, apart from cellkv::Errc (the cache's codes), each under one core code:
-// bad_argument for bad input to add/clone, over_budget for budgets no cache could serve, and the
-// cache's own code (out_of_cells, sequence_full) for a step refused at placement, naming the
-// session whose tokens did not fit. A SessionStatus converts to cellkv::Status (the core reason
-// alone) and compares equal to its core code and to its detail.
+// bad_argument for bad input to add, add_samples and clone, over_budget for budgets no cache could
+// serve, and the cache's own code (out_of_cells, sequence_full) for a step refused at placement,
+// naming the session whose tokens did not fit. A SessionStatus converts to cellkv::Status (the
+// core reason alone) and compares equal to its core code and to its detail.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +33,7 @@ enum class SessionErrc : std::uint8_t {
   bad_top_p,           // bad_argument: top_p outside (0, 1]
   bad_min_p,           // bad_argument: min_p outside [0, 1]
   bad_stop_token,      // bad_argument: a stop token id outside [0, vocab)
+  bad_sample_count,    // bad_argument: add_samples asked for fewer than one sample
   exceeds_sequence,    // over_budget: prompt + max_new_tokens - 1 tokens pass the layout's max_len
   exceeds_cache,       // over_budget: prompt + max_new_tokens - 1 tokens pass the cache's capacity
   no_room,             // the cache's code: the session's tokens of the step do not fit now
@@ -47,6 +48,7 @@ enum class SessionErrc : std::uint8_t {
     case SessionErrc::bad_top_p: return "top_p must lie in (0, 1]";
     case SessionErrc::bad_min_p: return "min_p must lie in [0, 1]";
     case SessionErrc::bad_stop_token: return "a stop token id is outside [0, vocab)";
+    case SessionErrc::bad_sample_count: return "samples must be >= 1";
     case SessionErrc::exceeds_sequence:
       return "prompt + max_new_tokens - 1 tokens would pass the sequence layout's max_len";
     case SessionErrc::exceeds_cache: return "prompt + max_new_tokens - 1 tokens would pass the cache's capacity";

@@ -5,6 +5,7 @@
 //   cellkv::batching::SessionTable table(cache, {.max_write = 8, .min_prefill_tokens = 2,
 //                                                .max_tokens_per_session = 1024, .vocab = 32000});
 //   const auto id = table.add(prompt, 16, {.temperature = 0.7f, .top_p = 0.9f, .seed = 42}).value();
+//   const auto ids = table.add_samples(prompt, 16, {.temperature = 0.7f, .seed = 7}, 4).value();  // seeds 7..10
 //   while (auto batch = table.next_step()) {          // Errc::empty_step: nothing left to run
 //     auto plan = cache.declare_step(batch.value().seqs);
 //     ... forward, sample the rows of batch.value().logit_rows ...
@@ -12,22 +13,36 @@
 //     for (SessionId done : table.reap()) ...;
 //   }
 //
-// A session owns one cache sequence from add/clone until finish/reap. Its life:
+// A session owns one cache sequence from add/add_samples/clone until finish/reap. Its life:
 //   feeding     its prompt goes in, after the `shared` prompt tokens it got from a clone source (0
 //               for add), one slice per step; each slice is planned when a step is packed, against
 //               the room left in that step (next_step), so a long prompt joins running sessions in
-//               chunks that fill the step;
+//               chunks that fill the step. A sample waiting for its leader (Samples, below) is
+//               feeding too;
 //   generating  one token per step: its last sampled token;
 //   done        it holds max_new_tokens generated tokens, or its last token is one of its stop
-//               tokens (the last token is never fed), and no token of it is still on its way. It
-//               stays in the table, holding its sequence, until finish() or reap().
+//               tokens (the last token is never fed), no token of it is still on its way, and no
+//               sample waits for its prompt cells. It stays in the table, holding its sequence,
+//               until finish() or reap().
 // Between steps the cache sequence of a session holds exactly its prompt tokens fed so far, then its
 // generated tokens but the last: cached_tokens(id) == cache.pos(sequence_of(id)).
 //
+// Samples: add_samples(prompt, max_new_tokens, sampling, n) adds n sessions of one prompt, sample i
+// drawing with seed sampling.seed + i. The first, the leader, feeds the prompt as add's session
+// does. Each other sample *waits*: leader_of(id) names the leader; it holds an empty cache
+// sequence, reserved at add_samples so it can never lack one, and takes no tokens. At the start of
+// the first next_step after the leader has fed prompt.size() - 1 prompt tokens, the reserved
+// sequence is removed and replaced by cache.seq_clone(leader's sequence, prompt.size() - 1): the
+// prompt's cells, shared with zero copy on the cell layout (cloning earlier would share only what
+// the leader had fed). From then on the sample is a clone like any other: it feeds the last prompt
+// token itself (its logits give its own first token) and generates on its own. A leader that is
+// finished while samples still wait hands them on: the oldest becomes their leader and feeds the
+// prompt itself.
+//
 // The step protocol: next_step() packs a batch and opens it; the caller declares it to the cache
 // (cache.declare_step(batch.seqs)), runs the forward and closes the batch with accept(sampled), or
-// with abandon() when the forward failed. While a batch is open the verbs add, clone and finish are
-// refused with Errc::bad_argument, reap() removes nothing and next_step() is refused with
+// with abandon() when the forward failed. While a batch is open the verbs add, add_samples, clone and
+// finish are refused with Errc::bad_argument, reap() removes nothing and next_step() is refused with
 // Errc::bad_argument: a verb would invalidate the cache's placed step or the batch.
 //
 // Tokens one step behind (how the executor overlaps steps): accept_pending() closes the open batch
@@ -40,9 +55,10 @@
 // resolved tokens only, and a session is done only once nothing of it is on its way.
 //
 // Every refusal returns a status naming the reason and changes nothing, in the table or the cache
-// (strong guarantee); a cache verb is the last thing a table verb does before it commits. The table
-// assumes it alone adds and removes the sequences of its sessions. Copies of a table are for
-// snapshots (compare with ==, which ignores which cache a table drives).
+// (strong guarantee); a cache verb is the last thing a table verb does before it commits (next_step
+// gives waiting samples their cells only once it can no longer refuse). The table assumes it alone
+// adds and removes the sequences of its sessions. Copies of a table are for snapshots (compare with
+// ==, which ignores which cache a table drives).
 #pragma once
 
 #include <algorithm>
@@ -207,18 +223,60 @@ class SessionTable {
   // (too_many_sessions; any other refusal of cache.seq_new is passed on).
   SessionResult<SessionId> add(std::span<const std::int32_t> prompt, std::int32_t max_new_tokens,
                                SamplingParams sampling = {}) {
-    if (prompt.empty() || max_new_tokens < 0 || batch_open()) return Errc::bad_argument;
-    for (const std::int32_t t : prompt)
-      if (!in_vocab(t)) return SessionStatus(Errc::bad_argument, SessionErrc::token_out_of_vocab);
-    if (const SessionErrc e = check_sampling(sampling, limits_.vocab); e != SessionErrc::none)
-      return SessionStatus(Errc::bad_argument, e);
-    if (const SessionStatus s = check_budget(prompt.size(), max_new_tokens); !s.ok()) return s;
+    if (const SessionStatus s = check_new(prompt, max_new_tokens, sampling); !s.ok()) return s;
     Session s = make_session(std::vector<std::int32_t>(prompt.begin(), prompt.end()), max_new_tokens, 0,
                              std::move(sampling));
     sessions_.reserve(sessions_.size() + 1);  // commit cannot throw once the cache has changed
     const Result<std::int32_t> seq = cache_->seq_new();
     if (!seq.ok()) return cache_refusal(seq.status());
     return commit(std::move(s), seq.value());
+  }
+
+  // `samples` new sessions of one prompt (parallel sampling), each generating up to max_new_tokens
+  // tokens: sample i (i = 0 .. samples - 1) draws as `sampling` says but with seed sampling.seed + i
+  // (mod 2^64), so seeded samples differ (greedy ones do not). Returns their ids, ascending, sample 0
+  // first. Sample 0, the leader, is the session add(prompt, max_new_tokens, sampling) would make;
+  // the others wait for its prompt cells (see "Samples" above), each in a cache sequence reserved
+  // now. samples == 1 is add. Refuses, in this order: samples < 1 (bad_argument,
+  // bad_sample_count); what add refuses, in add's order; fewer than `samples` free cache sequences
+  // (too_many_sessions). Needs a cache that reports max_seqs() and live_count() (itself or its
+  // host()), so that it refuses before it creates any sequence.
+  SessionResult<std::vector<SessionId>> add_samples(std::span<const std::int32_t> prompt, std::int32_t max_new_tokens,
+                                                    const SamplingParams& sampling, std::int32_t samples)
+    requires requires(const Cache& c) {
+      detail::queries_of(c).max_seqs();
+      detail::queries_of(c).live_count();
+    }
+  {
+    if (samples < 1) return SessionStatus(Errc::bad_argument, SessionErrc::bad_sample_count);
+    if (const SessionStatus s = check_new(prompt, max_new_tokens, sampling); !s.ok()) return s;
+    if (free_sequences() < samples) return Errc::too_many_sessions;
+    const auto n = static_cast<std::size_t>(samples);
+    std::vector<Session> made;
+    made.reserve(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      SamplingParams own = sampling;
+      own.seed += i;
+      made.push_back(make_session(std::vector<std::int32_t>(prompt.begin(), prompt.end()), max_new_tokens, 0,
+                                  std::move(own)));
+      if (i > 0) made[i].leader = next_id_;  // the id commit gives sample 0
+    }
+    made[0].waiting = samples - 1;
+    std::vector<std::int32_t> seqs;
+    std::vector<SessionId> ids;
+    seqs.reserve(n);
+    ids.reserve(n);
+    sessions_.reserve(sessions_.size() + n);  // nothing below throws once the cache has changed
+    for (std::size_t i = 0; i < n; ++i) {
+      const Result<std::int32_t> seq = cache_->seq_new();
+      if (!seq.ok()) {  // not expected: `samples` sequences were free
+        for (const std::int32_t made_seq : seqs) (void)cache_->seq_rm(made_seq);
+        return cache_refusal(seq.status());
+      }
+      seqs.push_back(seq.value());
+    }
+    for (std::size_t i = 0; i < n; ++i) ids.push_back(commit(std::move(made[i]), seqs[i]));
+    return ids;
   }
 
   // A new session with src's prompt, its own budget of max_new_tokens and `sampling` (src's when
@@ -250,13 +308,16 @@ class SessionTable {
   }
 
   // Ends a live session in any state: removes its cache sequence and drops it from the table (its
-  // tokens still on their way are dropped when they are resolved). Refuses: unknown_session; an
-  // open batch (bad_argument); a refusal of cache.seq_rm.
+  // tokens still on their way are dropped when they are resolved). A leader whose samples still
+  // wait hands them on: the oldest of them stops waiting and feeds the prompt itself, in its
+  // reserved sequence, and the others wait for it. Refuses: unknown_session; an open batch
+  // (bad_argument); a refusal of cache.seq_rm.
   Status finish(SessionId id) {
     const auto it = locate(id);
     if (it == sessions_.end()) return Errc::unknown_session;
     if (batch_open()) return Errc::bad_argument;
     if (const Status s = cache_->seq_rm(it->seq); !s.ok()) return s;
+    detach(*it);
     sessions_.erase(it);
     return {};
   }
@@ -285,24 +346,30 @@ class SessionTable {
   //  1. one token of every generating session with tokens left to generate (fewer than
   //     max_new_tokens generated or on their way, no stop token), oldest first, while room > 0
   //     (room -= 1 each); a token still on the device goes in as a DeferredToken;
-  //  2. then one prompt slice of every feeding session, oldest first, planned now against the room
-  //     left: first_slice(r, room, min_prefill_tokens), i.e. plan_slices(r, room,
-  //     min_prefill_tokens).front(), where r = its prompt tokens not yet fed. That is a prefill of
-  //     L = min(r, room) tokens when L > 1 and L >= min_prefill_tokens, else one (decode) token.
-  //     Waiting: when 0 < room < min_prefill_tokens <= max_write and r >= min_prefill_tokens (the
-  //     room, not the prompt, makes the slice one token, and a later step can give a prefill), the
-  //     session is fed its one token only if the step holds no prompt token yet; otherwise it waits
-  //     for the next step. Packing stops at the first feeding session that gets nothing (room == 0,
-  //     or it waits): feeding is first in, first out, a younger session never passes an older one.
+  //  2. every sample waiting for a leader that has fed prompt.size() - 1 prompt tokens gets its
+  //     cells: its reserved sequence is removed, then cache.seq_clone(leader's sequence,
+  //     prompt.size() - 1) takes its place (abandon() does not undo this);
+  //  3. then one prompt slice of every feeding session not waiting for its leader, oldest first,
+  //     planned now against the room left: first_slice(r, room, min_prefill_tokens), i.e.
+  //     plan_slices(r, room, min_prefill_tokens).front(), where r = its prompt tokens not yet fed.
+  //     That is a prefill of L = min(r, room) tokens when L > 1 and L >= min_prefill_tokens, else
+  //     one (decode) token. Short room: when 0 < room < min_prefill_tokens <= max_write and
+  //     r >= min_prefill_tokens (the room, not the prompt, makes the slice one token, and a later
+  //     step can give a prefill), the session is fed its one token only if the step holds no prompt
+  //     token yet; otherwise it waits for the next step. Packing stops at the first feeding session
+  //     that gets nothing (room == 0, or it waits for the next step): feeding is first in, first
+  //     out, a younger session never passes an older one.
   // No starvation: a step in which fewer than max_write sessions generate feeds the oldest feeding
-  // session at least one token. So when that holds throughout (e.g. a cache of at most max_write
-  // sequences), a session is fed completely within T accepted steps, T = the prompt tokens left to
-  // feed when it was added, its own and those of the older feeding sessions.
+  // session not waiting for its leader at least one token. So when that holds throughout (e.g. a
+  // cache of at most max_write sequences), a session is fed completely within T accepted steps,
+  // T = the prompt tokens left to feed when it was added, its own and those of the older feeding
+  // sessions (a sample's leader is older than it).
   // `width` (0: max_write) packs a narrower step, as if max_write were width: schedules of chosen
   // widths (tests, latency caps).
-  // Refuses: an open batch, width outside [0, max_write], or a token to feed that is on its way
-  // from an accepted step older than the last (resolve that step first) (bad_argument); no session
-  // with work (empty_step). Does not call cache.declare_step.
+  // Refuses, before step 2 changes anything: an open batch, width outside [0, max_write], or a
+  // token to feed that is on its way from an accepted step older than the last (resolve that step
+  // first) (bad_argument); no session with work (empty_step; never after a sample got its cells).
+  // Does not call cache.declare_step.
   Result<StepBatch> next_step(std::int32_t width = 0) {
     if (batch_open() || width < 0 || width > limits_.max_write) return Errc::bad_argument;
     StepBatch batch;
@@ -318,10 +385,11 @@ class SessionTable {
       append(batch, entries, s, std::span<const std::int32_t>(&s.output.back(), 1), false, true);
       --room;
     }
+    adopt_waiting_samples();  // a sample that gets its cells feeds now: no refusal below
     bool fed_prompt = false;  // the step holds a prompt token
     for (const Session& s : sessions_) {
-      if (state_of(s) != SessionState::feeding) continue;
-      if (room == 0 || (fed_prompt && waits(s, room))) break;
+      if (state_of(s) != SessionState::feeding || s.leader != 0) continue;
+      if (room == 0 || (fed_prompt && waits_for_room(s, room))) break;
       const std::int32_t length = slice_length(s, room);
       append(batch, entries, s, std::span<const std::int32_t>(s.prompt).subspan(static_cast<std::size_t>(s.fed),
                                                                                 static_cast<std::size_t>(length)),
@@ -486,6 +554,13 @@ class SessionTable {
     if (s == nullptr) return Errc::unknown_session;
     return cached(*s);
   }
+  // The leader whose prompt cells a waiting sample will share (add_samples); 0 when the session
+  // does not wait (a leader, a sample that has its cells, any other session).
+  [[nodiscard]] Result<SessionId> leader_of(SessionId id) const {
+    const Session* s = find(id);
+    if (s == nullptr) return Errc::unknown_session;
+    return s->leader;
+  }
   // The live session holding cache sequence `seq`, or 0.
   [[nodiscard]] SessionId session_of_sequence(std::int32_t seq) const noexcept {
     for (const Session& s : sessions_)
@@ -502,6 +577,11 @@ class SessionTable {
   [[nodiscard]] std::int32_t feeding_count() const noexcept { return count(SessionState::feeding); }
   [[nodiscard]] std::int32_t generating_count() const noexcept { return count(SessionState::generating); }
   [[nodiscard]] std::int32_t done_count() const noexcept { return count(SessionState::done); }
+  // Samples waiting for their leader (counted in feeding_count()).
+  [[nodiscard]] std::int32_t waiting_count() const noexcept {
+    return static_cast<std::int32_t>(
+        std::count_if(sessions_.begin(), sessions_.end(), [](const Session& s) { return s.leader != 0; }));
+  }
   // A batch is open: between next_step and accept, accept_pending or abandon.
   [[nodiscard]] bool in_flight() const noexcept { return batch_open(); }
   // Accepted steps whose tokens are still on their way, and the sampled rows of the oldest one.
@@ -550,6 +630,8 @@ class SessionTable {
     std::int32_t source_row = 0;       // ... and its sampled row there
     SamplingParams sampling;
     SampleRow sample_row;              // make_sample_row(sampling, 0)
+    SessionId leader = 0;              // a waiting sample: whose prompt cells it will share; else 0
+    std::int32_t waiting = 0;          // samples waiting for this session's prompt cells
     friend bool operator==(const Session&, const Session&) = default;
   };
   // One session's share of the open batch.
@@ -587,7 +669,7 @@ class SessionTable {
   }
   [[nodiscard]] static SessionState state_of(const Session& s) noexcept {
     if (s.fed < prompt_size(s)) return SessionState::feeding;
-    return decodes(s) || on_its_way(s) ? SessionState::generating : SessionState::done;
+    return decodes(s) || on_its_way(s) || s.waiting > 0 ? SessionState::generating : SessionState::done;
   }
   // The prompt fed so far, then the generated tokens but the last (never fed).
   [[nodiscard]] static std::int32_t cached(const Session& s) noexcept {
@@ -608,13 +690,23 @@ class SessionTable {
   [[nodiscard]] static bool slice_samples(const Session& s, std::int32_t length) noexcept {
     return s.fed + length == prompt_size(s) && s.max_new > 0;
   }
-  // next_step's waiting rule: only the short room makes the slice one token, and a later step can
+  // next_step's short-room rule: only the short room makes the slice one token, and a later step can
   // give a prefill.
-  [[nodiscard]] bool waits(const Session& s, std::int32_t room) const noexcept {
+  [[nodiscard]] bool waits_for_room(const Session& s, std::int32_t room) const noexcept {
     const std::int32_t min = limits_.min_prefill_tokens;
     return room < min && min <= limits_.max_write && prompt_size(s) - s.fed >= min;
   }
 
+  // add's refusals but the cache's, in add's order.
+  [[nodiscard]] SessionStatus check_new(std::span<const std::int32_t> prompt, std::int32_t max_new_tokens,
+                                        const SamplingParams& sampling) const {
+    if (prompt.empty() || max_new_tokens < 0 || batch_open()) return Errc::bad_argument;
+    for (const std::int32_t t : prompt)
+      if (!in_vocab(t)) return SessionStatus(Errc::bad_argument, SessionErrc::token_out_of_vocab);
+    if (const SessionErrc e = check_sampling(sampling, limits_.vocab); e != SessionErrc::none)
+      return SessionStatus(Errc::bad_argument, e);
+    return check_budget(prompt.size(), max_new_tokens);
+  }
   // over_budget: past max_tokens_per_session, or more tokens than one sequence of the cache holds.
   [[nodiscard]] SessionStatus check_budget(std::size_t prompt_tokens, std::int32_t max_new_tokens) const {
     const auto budget = static_cast<std::size_t>(limits_.max_tokens_per_session);
@@ -664,6 +756,55 @@ class SessionTable {
     s.sampling = std::move(sampling);
     return s;
   }
+  // Gives each waiting sample whose leader has fed prompt.size() - 1 prompt tokens its share of the
+  // leader's cells: its reserved, empty sequence is removed, then replaced by a clone of the
+  // leader's positions < prompt.size() - 1 (the leader's sequence holds at least the prompt tokens
+  // it fed). The freed id leaves the clone a sequence; a cache that refuses the clone anyway gets
+  // the reservation back and the sample waits another step.
+  void adopt_waiting_samples() {
+    for (Session& s : sessions_) {
+      if (s.leader == 0) continue;
+      Session& leader = *locate(s.leader);
+      const std::int32_t shared = prompt_size(leader) - 1;
+      if (leader.fed < shared) continue;
+      (void)cache_->seq_rm(s.seq);
+      const Result<std::int32_t> seq = cache_->seq_clone(leader.seq, shared);
+      if (!seq.ok()) {
+        s.seq = reserve_again();
+        continue;
+      }
+      s.seq = seq.value();
+      s.shared = shared;
+      s.fed = shared;
+      s.leader = 0;
+      --leader.waiting;
+    }
+  }
+  // A new reservation for a sample whose clone the cache refused.
+  [[nodiscard]] std::int32_t reserve_again() {
+    const Result<std::int32_t> seq = cache_->seq_new();
+    if (!seq.ok())
+      throw std::logic_error("cellkv::batching::SessionTable: the cache refused a sequence it had just freed");
+    return seq.value();
+  }
+  // Unlinks a session that leaves the table from its leader or its waiting samples: a leaving
+  // leader's oldest waiting sample stops waiting (it feeds the prompt itself) and leads the others.
+  void detach(const Session& gone) {
+    if (gone.leader != 0) --locate(gone.leader)->waiting;
+    if (gone.waiting == 0) return;
+    Session* heir = nullptr;
+    for (Session& s : sessions_) {
+      if (s.leader != gone.id) continue;
+      if (heir == nullptr) {
+        heir = &s;
+        s.leader = 0;
+        s.waiting = gone.waiting - 1;
+      } else {
+        s.leader = heir->id;
+      }
+    }
+  }
+
   SessionId commit(Session s, std::int32_t seq) {
     s.id = next_id_++;
     s.seq = seq;
