@@ -26,6 +26,10 @@
 
 namespace cellkv {
 
+// P is a placement argument a cache of layout L takes (L::kAccepts<P>, layout.hpp).
+template <class P, class L>
+concept PlacementFor = Layout<L> && L::template kAccepts<P>;
+
 template <Layout L, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
 class CellCache;
 

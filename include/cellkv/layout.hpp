@@ -36,8 +36,8 @@ struct cell {
 
 // Each live sequence owns a slot of max_len consecutive rows: position p of the sequence in slot s
 // lives at row s * max_len + p. What a token sees is a contiguous row range; forks copy rows.
-// It places nothing: its placement is placement::none (a cell placement is still accepted, for
-// code written before none existed, and ignored).
+// It places nothing: its placement is placement::none (a cell placement named instead is
+// accepted and ignored).
 struct sequence {
   using default_placement = placement::none;
   template <class P>
@@ -57,9 +57,5 @@ concept Layout = requires(const CacheConfig& c) {
   { L::kPositionTable } -> std::convertible_to<bool>;
   requires L::template kAccepts<typename L::default_placement>;
 };
-
-// P is a placement argument a cache of layout L takes.
-template <class P, class L>
-concept PlacementFor = Layout<L> && L::template kAccepts<P>;
 
 }  // namespace cellkv

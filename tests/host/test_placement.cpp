@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <random>
 #include <set>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -49,6 +50,32 @@ std::vector<TokenView> describe_step(const Cache& cache) {
   }
   return out;
 }
+
+// What the concepts take and refuse, at compile time: a policy missing a hook is not a Placement,
+// a tag missing a trait is not a Layout; each layout names the placements it takes and its default.
+struct missing_freed {
+  struct SeqState {
+    friend bool operator==(const SeqState&, const SeqState&) = default;
+  };
+  explicit missing_freed(std::int32_t) {}
+  std::int32_t pick(SeqState&, FreeCells free) { return free.lowest(); }
+  void truncated(SeqState&, std::int32_t) {}
+  friend bool operator==(const missing_freed&, const missing_freed&) = default;
+};
+struct missing_rows {
+  using default_placement = placement::none;
+  template <class P>
+  static constexpr bool kAccepts = true;
+  static constexpr bool kPositionTable = false;
+};
+static_assert(Placement<placement::lowest_free> && Placement<placement::clustered<8>> && Placement<test::after_last>);
+static_assert(!Placement<missing_freed> && !Placement<placement::none> && !Placement<int>);
+static_assert(Layout<layout::cell> && Layout<layout::sequence> && !Layout<missing_rows>);
+static_assert(PlacementFor<test::after_last, layout::cell> && !PlacementFor<placement::none, layout::cell>);
+static_assert(PlacementFor<placement::none, layout::sequence> && !PlacementFor<missing_freed, layout::sequence>);
+static_assert(std::is_same_v<CellCache<layout::cell, W>::PlacementPolicy, placement::lowest_free>);
+static_assert(std::is_same_v<CellCache<layout::sequence, W>::PlacementPolicy, placement::none>);
+static_assert(std::is_same_v<CellCache<layout::sequence, W, placement::lowest_free>::PlacementPolicy, placement::none>);
 
 using Lowest = CellCache<layout::cell, W, placement::lowest_free, 16>;
 using Clustered4 = CellCache<layout::cell, W, placement::clustered<4>, 16>;
