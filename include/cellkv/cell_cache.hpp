@@ -2,7 +2,11 @@
 //
 //   CellCache<layout::cell, W, P, MaxSeqs>      rows are cells with (pos, owners) metadata;
 //                                               placement P picks free cells (docs/design.md section 2)
-//   CellCache<layout::sequence, W, P, MaxSeqs>  sequence s owns rows [s*max_len, (s+1)*max_len)
+//   CellCache<layout::sequence, W, placement::none, MaxSeqs>
+//                                               sequence s owns rows [s*max_len, (s+1)*max_len)
+//
+// The placement argument defaults to the layout's (L::default_placement, layout.hpp). A new layout
+// is a tag with the Layout traits plus a partial specialization of CellCache for it.
 //
 // Both serve the same step protocol and verbs (detail/cache_common.hpp) and the same visibility
 // rule; only where rows live differs. The cache is a plain copyable value: compare two with ==.
@@ -22,7 +26,11 @@
 
 namespace cellkv {
 
-template <Layout L, WindowSet W, Placement P = placement::lowest_free, std::int32_t MaxSeqs = 256>
+// P is a placement argument a cache of layout L takes (L::kAccepts<P>, layout.hpp).
+template <class P, class L>
+concept PlacementFor = Layout<L> && L::template kAccepts<P>;
+
+template <Layout L, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
 class CellCache;
 
 }  // namespace cellkv

@@ -77,24 +77,25 @@ inline std::optional<std::size_t> size_sum(std::initializer_list<std::size_t> te
 // size of 0 (bad_argument), and sizes that overflow (size_overflow).
 template <class Host>
 Result<Footprint> device_footprint(const CacheConfig& config, const PoolShape& shape, const DeviceParts& parts) {
-  constexpr bool kCells = std::is_same_v<typename Host::Layout, layout::cell>;
+  using L = typename Host::Layout;
   if (const Status s = Host::validate(config); !s.ok()) return s.code();
   if (shape.layers < 1 || shape.heads_kv < 1 || shape.head_dim < 1 || shape.heads_q < 0) return Errc::bad_shape;
   if (parts.element_bytes == 0) return Errc::bad_argument;
   const Result<StepBlockShape> block = step_block_shape<Host>(config, shape, parts.shared_prefixes);
   if (!block.ok()) return block.status().code();
 
-  const std::int32_t seqs = config.max_seqs == 0 ? Host::kMaxSeqs : config.max_seqs;
-  const auto rows = kCells ? static_cast<std::size_t>(config.max_cells)
-                           : static_cast<std::size_t>(seqs) * static_cast<std::size_t>(config.max_len);
+  CacheConfig normal = config;
+  if (normal.max_seqs == 0) normal.max_seqs = Host::kMaxSeqs;
+  const std::int32_t seqs = normal.max_seqs;
+  const auto rows = static_cast<std::size_t>(L::rows(normal));
   const auto size = [](std::int64_t n) { return static_cast<std::size_t>(n); };
   const std::optional<std::size_t> kv = detail::size_product(
       {2, size(shape.layers), rows + 1, size(shape.heads_kv), size(shape.head_dim), parts.element_bytes});
   const std::optional<std::size_t> table =
-      kCells ? detail::size_product({sizeof(std::int32_t), size(PositionTable::flat_size(seqs, config.max_cells))})
+      L::kPositionTable ? detail::size_product({sizeof(std::int32_t), size(PositionTable::flat_size(seqs, config.max_cells))})
              : std::optional<std::size_t>{0};
   const std::optional<std::size_t> mask_bytes =
-      kCells && parts.masks
+      L::kPositionTable && parts.masks
           ? detail::size_product({size(Host::Windows::kDistinct), size(config.max_write), size(config.max_cells)})
           : std::optional<std::size_t>{0};
   if (!kv || !table || !mask_bytes) return Errc::size_overflow;

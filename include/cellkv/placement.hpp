@@ -2,42 +2,47 @@
 //
 // Placement never changes visibility (only positions and owners decide it, docs/design.md section 3);
 // it decides which KV tiles a sequence touches, and so how much a tile-skipping kernel can skip.
+//
+// A placement policy is a class P (docs/design.md, "How to add a layout, a placement, a kernel"):
+//
+//   P::SeqState                     per-sequence state; SeqState{} for a fresh sequence (new or forked)
+//   P(std::int32_t max_cells)       the policy's own state for a pool of max_cells free cells
+//   int32_t pick(SeqState&, FreeCells)   a free cell for the sequence's next token; the cache
+//                                   claims it on return. Called once per token in step order,
+//                                   only when a cell is free.
+//   void freed(int32_t cell)        the cell's last owner let go: it is free again
+//   void truncated(SeqState&, int32_t last_cell)  the sequence was rewound (or removed): it now
+//                                   ends at last_cell, -1 when it holds nothing; called after the
+//                                   freed() calls of the cells it let go
+//   operator==                      P and SeqState (the cache is a value compared with ==)
+//
+// Policies: placement::lowest_free, placement::clustered<Block> (one header each under
+// cellkv/placement/); placement::none is the argument of layouts that place nothing.
 #pragma once
 
 #include <concepts>
 #include <cstdint>
-#include <type_traits>
+
+#include "cellkv/placement/clustered.hpp"
+#include "cellkv/placement/free_cells.hpp"
+#include "cellkv/placement/lowest_free.hpp"
+#include "cellkv/placement/none.hpp"
 
 namespace cellkv {
-namespace placement {
-
-// The classic policy: each token takes the lowest free cell, so a step's cells are ascending.
-struct lowest_free {};
-
-// A sequence appends into its own aligned block of `Block` cells (cells [b*Block, (b+1)*Block)).
-// When its block is full it opens the lowest fully free block; when no block is fully free it
-// falls back to the lowest free cell anywhere, so capacity is never lost.
-template <std::int32_t Block>
-struct clustered {
-  static_assert(Block > 0 && (Block & (Block - 1)) == 0,
-                "cellkv::placement::clustered<Block>: Block must be a power of two (match the KV tile, "
-                "e.g. 64 or 128)");
-  static constexpr std::int32_t kBlock = Block;
-};
-
-}  // namespace placement
-
-namespace detail {
-template <class P>
-struct is_clustered : std::false_type {};
-template <std::int32_t B>
-struct is_clustered<placement::clustered<B>> : std::true_type {};
-}  // namespace detail
 
 template <class P>
-concept Placement = std::same_as<P, placement::lowest_free> || detail::is_clustered<P>::value;
+concept Placement =
+    std::copyable<P> && std::equality_comparable<P> && std::constructible_from<P, std::int32_t> &&
+    std::default_initializable<typename P::SeqState> && std::copyable<typename P::SeqState> &&
+    std::equality_comparable<typename P::SeqState> &&
+    requires(P& p, typename P::SeqState& s, FreeCells free, std::int32_t cell) {
+      { p.pick(s, free) } -> std::same_as<std::int32_t>;
+      p.freed(cell);
+      p.truncated(s, cell);
+    };
 
-template <class P>
-inline constexpr bool kIsClustered = detail::is_clustered<P>::value;
+static_assert(Placement<placement::lowest_free>);
+static_assert(Placement<placement::clustered<64>>);
+static_assert(!Placement<placement::none>);
 
 }  // namespace cellkv

@@ -122,18 +122,18 @@ struct StepBlockLayout {
 // past int32 (size_overflow).
 template <class Host>
 Result<StepBlockShape> step_block_shape(const CacheConfig& config, const PoolShape& shape, bool shared_prefixes) {
-  constexpr bool kCells = std::is_same_v<typename Host::Layout, layout::cell>;
+  constexpr bool kTable = Host::Layout::kPositionTable;  // else row ranges (layout.hpp)
   constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
   if (config.max_write < 1) return Errc::bad_argument;
   const std::int32_t group = shape.heads_q > 0 && shape.heads_kv > 0 ? std::max(1, shape.heads_q / shape.heads_kv) : 1;
   const std::int64_t prefill = max_prefill_items(config.max_write, group);
-  const std::int64_t table_writes = kCells ? std::max<std::int64_t>(4 * std::int64_t{config.max_write}, 4096) : 0;
+  const std::int64_t table_writes = kTable ? std::max<std::int64_t>(4 * std::int64_t{config.max_write}, 4096) : 0;
   if (prefill > kInt32Max || table_writes > kInt32Max) return Errc::size_overflow;
-  const bool sharing = kCells && shared_prefixes;
+  const bool sharing = kTable && shared_prefixes;
   return StepBlockShape{config.max_write,
                         Host::Windows::kDistinct,
                         static_cast<std::int32_t>(prefill),
-                        !kCells,
+                        !kTable,
                         static_cast<std::int32_t>(table_writes),
                         sharing ? config.max_write : 0,
                         sharing ? shared_slot_capacity(config.max_write) : 0};

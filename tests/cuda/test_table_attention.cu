@@ -1,6 +1,7 @@
 // The table kernels (decode split evenly over warps and merged in-kernel, prefill by position
 // ranges, both reading K/V rows through the position tables) against the float64 host reference
-// and the reference kernel on random scenarios: both layouts, three placements, forks, rewinds,
+// and the reference kernel on random scenarios: both layouts, four placements (one of them,
+// test::after_last, defined in the tests alone: tests/host/after_last_placement.hpp), forks, rewinds,
 // removals, refilled holes, windows, long churn near full occupancy, T from 1 to max_write, bf16
 // and fp16, head dims 64/128/256, GQA ratios 1, 4 and 8. Padding rows are zeros. Shared prefixes
 // of fork trees (read once per step by the shared-prefix kernel) against the same oracles.
@@ -13,6 +14,7 @@
 #include "cellkv/cuda/device_cache.cuh"
 #include "cellkv/cuda/graph.hpp"
 #include "cellkv/cuda/stream.hpp"
+#include "../host/after_last_placement.hpp"
 #include "forward_harness.cuh"
 #include "support.cuh"
 
@@ -182,7 +184,7 @@ using ForkModel = Windows<0, 150, 700>;
 template <class T, class Placement>
 using ForkCells = gpu::DeviceCache<layout::cell, T, ForkModel, Placement, 48>;
 template <class T>
-using Slots = gpu::DeviceCache<layout::sequence, T, Model, placement::lowest_free, 16>;
+using Slots = gpu::DeviceCache<layout::sequence, T, Model, placement::none, 16>;
 
 }  // namespace
 
@@ -196,6 +198,15 @@ TEST_CASE("table kernels, cell layout, lowest_free (interleaved cells): fp16, D 
 
 TEST_CASE("table kernels, cell layout, clustered<16>: bf16, D 256, H_q = H_kv") {
   random_run<Cells<__nv_bfloat16, placement::clustered<16>>>({2, 2, 256, 33, 500}, 103, 20);
+}
+
+// A placement the library does not know: defined in the test tree alone, run unchanged through the
+// random scenarios, churn and fork trees.
+TEST_CASE("table kernels, cell layout, test::after_last: random steps, churn and fork trees") {
+  random_run<Cells<__nv_bfloat16, test::after_last>>({32, 8, 128, 48, 1200}, 121, 30);
+  random_run<Cells<__half, test::after_last>>({16, 2, 64, 40, 700}, 122, 20);
+  churn_run<Cells<__nv_bfloat16, test::after_last>>({16, 4, 128, 64, 3000}, 123, 300, 10);
+  CHECK(fork_tree_run<ForkCells<__nv_bfloat16, test::after_last>>({16, 4, 128, 64, 6000}, 124, 25) >= 5);
 }
 
 TEST_CASE("table kernels, sequence layout: bf16 D 128 GQA 4, fp16 D 64 GQA 1, bf16 D 256 GQA 8") {

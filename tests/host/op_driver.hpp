@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "after_last_placement.hpp"
 #include "cellkv/cell_cache.hpp"
 #include "oracle.hpp"
 
@@ -178,6 +179,8 @@ class OpDriver {
       !kCellLayout ? oracle::Kind::sequence_slots
                    : (std::is_same_v<typename Cache::PlacementPolicy, placement::lowest_free>
                           ? oracle::Kind::cell_lowest_free
+                      : std::is_same_v<typename Cache::PlacementPolicy, test::after_last>
+                          ? oracle::Kind::cell_after_last
                           : oracle::Kind::cell_any_free);
   using Windows = typename Cache::Windows;
 

@@ -11,10 +11,12 @@
 //   visible(t, row, W)  iff  row occupied, s_t owns row, pos(row) <= p_t, (W == 0 or p_t - pos(row) < W)
 //
 // Placement: the sequence layout's rows are predicted exactly (seq * max_len + pos), and so are
-// the cell layout's under lowest_free (each token in order takes the lowest free cell). Under any
-// other placement (clustered<B>) the oracle only verifies the cells the cache chose: in range,
-// free before the step, distinct within it; capacity is never lost because admission depends on
-// the free count alone.
+// the cell layout's under lowest_free (each token in order takes the lowest free cell) and under
+// the tests' own after_last (after_last_placement.hpp: the first free cell after the sequence's
+// last one, else the lowest free; a new or forked sequence has no last cell, a rewind keeps the
+// cell of the last kept position). Under any other placement (clustered<B>) the oracle only
+// verifies the cells the cache chose: in range, free before the step, distinct within it;
+// capacity is never lost because admission depends on the free count alone.
 #pragma once
 
 #include <algorithm>
@@ -34,6 +36,7 @@ namespace cellkv::oracle {
 enum class Kind {
   cell_lowest_free,  // cell layout, rows predicted exactly
   cell_any_free,     // cell layout, rows verified (free, distinct, in range)
+  cell_after_last,   // cell layout under test::after_last, rows predicted exactly
   sequence_slots,    // sequence layout: row = seq * max_len + pos
 };
 
@@ -167,11 +170,18 @@ class Model {
     }
     std::vector<bool> taken(static_cast<std::size_t>(capacity()), false);
     for (const Entry& e : entries_) taken[static_cast<std::size_t>(e.row)] = true;
+    std::vector<std::pair<std::int32_t, std::int64_t>> last = last_;  // after_last: updated per token
     for (std::size_t t = 0; t < ids.size(); ++t) {
       std::size_t c = 0;
+      if (c_.kind == Kind::cell_after_last) {
+        c = static_cast<std::size_t>(last_row(last, ids[t]) + 1);
+        while (c < taken.size() && taken[c]) ++c;
+        if (c == taken.size()) c = 0;  // nothing free past the last cell: wrap
+      }
       while (taken[c]) ++c;  // admitted: at least T free cells, so c stays in range
       out.push_back(static_cast<std::int64_t>(c));
       taken[c] = true;
+      set_last(last, ids[t], static_cast<std::int64_t>(c));
     }
     return out;
   }
@@ -215,6 +225,7 @@ class Model {
     const auto pos = positions(ids);
     for (std::size_t t = 0; t < ids.size(); ++t) entries_.push_back(Entry{rows[t], pos[t], {ids[t]}});
     for (const std::int32_t s : ids) set_length(s, length(s) + 1);
+    for (std::size_t t = 0; t < ids.size(); ++t) set_last(last_, ids[t], rows[t]);
   }
 
   // ---- verbs: each returns the code the cache must return and applies itself when ok ----
@@ -224,6 +235,7 @@ class Model {
     if (id < 0) return Errc::no_free_sequence;
     live_.insert(id);
     set_length(id, 0);
+    set_last(last_, id, -1);
     return Errc::ok;
   }
 
@@ -237,6 +249,7 @@ class Model {
     if (id < 0) return Errc::no_free_sequence;
     live_.insert(id);
     set_length(id, upto);
+    set_last(last_, id, -1);  // a fork starts with no last cell of its own
     if (cell_layout()) {
       for (Entry& e : entries_)
         if (e.owners.count(src) != 0 && e.pos < upto) e.owners.insert(id);
@@ -262,6 +275,10 @@ class Model {
     if (pos < 0 || pos > length(id)) return Errc::bad_position;
     drop_positions(id, pos);
     set_length(id, pos);
+    std::int64_t kept = -1;  // the cell of the last kept position
+    for (const Entry& e : entries_)
+      if (e.owners.count(id) != 0 && e.pos == pos - 1) kept = e.row;
+    set_last(last_, id, kept);
     return Errc::ok;
   }
 
@@ -270,6 +287,7 @@ class Model {
     live_.clear();
     len_.clear();
     copies_.clear();
+    last_.clear();
   }
 
   void acknowledge() { copies_.clear(); }
@@ -281,6 +299,21 @@ class Model {
     for (std::int32_t id = 0; id < c_.max_seqs; ++id)
       if (!is_live(id)) return id;
     return -1;
+  }
+
+  // after_last: the last cell of sequence id in `last`, -1 when none.
+  static std::int64_t last_row(const std::vector<std::pair<std::int32_t, std::int64_t>>& last, std::int32_t id) {
+    for (const auto& [s, row] : last)
+      if (s == id) return row;
+    return -1;
+  }
+  static void set_last(std::vector<std::pair<std::int32_t, std::int64_t>>& last, std::int32_t id, std::int64_t row) {
+    for (auto& [s, r] : last)
+      if (s == id) {
+        r = row;
+        return;
+      }
+    last.emplace_back(id, row);
   }
 
   void set_length(std::int32_t id, std::int32_t n) {
@@ -305,6 +338,7 @@ class Model {
   std::set<std::int32_t> live_;
   std::vector<std::pair<std::int32_t, std::int32_t>> len_;  // (live id, pos(id))
   std::vector<RowCopy> copies_;
+  std::vector<std::pair<std::int32_t, std::int64_t>> last_;  // after_last: (id, its last cell)
 };
 
 }  // namespace cellkv::oracle

@@ -1,5 +1,6 @@
 // Randomized differential runs: the cache against the brute-force oracle (oracle.hpp), driven by
-// op_driver.hpp, for both layouts, lowest_free and clustered placements, several window sets and
+// op_driver.hpp, for both layouts, lowest_free and clustered placements and the tests' own
+// after_last (after_last_placement.hpp, nothing of it in include/), several window sets and
 // small capacities so that every refusal (out_of_cells, sequence_full, no_free_sequence, ...)
 // happens often. Every run's seed derives from a fixed base and the optional environment variable
 // CELLKV_SEED (any integer), so CI can vary it; a failure prints the seed and the base.
@@ -9,6 +10,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "after_last_placement.hpp"
 #include "cellkv/cell_cache.hpp"
 #include "op_driver.hpp"
 
@@ -130,11 +132,24 @@ TEST_CASE("differential: cell layout, clustered<8> placement") {
   CHECK(s.max_owners >= 2);
 }
 
+// A placement defined in the tests alone: the cache takes it with no change to include/, and the
+// oracle predicts its rows exactly.
+TEST_CASE("differential: cell layout, test::after_last placement") {
+  DriverStats s;
+  s.add(differential<CellCache<layout::cell, Windows<0>, test::after_last, 8>>(71, kRuns, kOps));
+  s.add(differential<CellCache<layout::cell, Windows<0, 3>, test::after_last, 64>>(72, kRuns, kOps));
+  s.add(differential<CellCache<layout::cell, Windows<5, 0, 2>, test::after_last, 256>>(73, kRuns, kOps));
+  MESSAGE("cell/after_last: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens");
+  check_common_coverage(s);
+  CHECK(s.count(Errc::out_of_cells) > 0);
+  CHECK(s.max_owners >= 2);
+}
+
 TEST_CASE("differential: sequence layout") {
   DriverStats s;
-  s.add(differential<CellCache<layout::sequence, Windows<0, 3>, placement::lowest_free, 8>>(31, kRuns, kOps));
-  s.add(differential<CellCache<layout::sequence, Windows<5, 0, 2>, placement::lowest_free, 64>>(32, kRuns, kOps));
-  s.add(differential<CellCache<layout::sequence, Windows<0>, placement::lowest_free, 256>>(33, kRuns, kOps));
+  s.add(differential<CellCache<layout::sequence, Windows<0, 3>, placement::none, 8>>(31, kRuns, kOps));
+  s.add(differential<CellCache<layout::sequence, Windows<5, 0, 2>, placement::none, 64>>(32, kRuns, kOps));
+  s.add(differential<CellCache<layout::sequence, Windows<0>, placement::none, 256>>(33, kRuns, kOps));
   MESSAGE("sequence: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens");
   check_common_coverage(s);
   CHECK(s.count(Errc::sequence_full) > 0);
@@ -171,8 +186,8 @@ TEST_CASE("differential: wide pools and many sequences") {
 
   constexpr Sizes kSlots{.write_lo = 1, .write_hi = 40, .seqs_lo = 0, .seqs_hi = 0, .len_lo = 4, .len_hi = 16};
   DriverStats slots;
-  slots.add(differential<CellCache<layout::sequence, Windows<5, 0, 2>, placement::lowest_free, 256>>(45, 3, 2500, kSlots, kMany));
-  slots.add(differential<CellCache<layout::sequence, Windows<0>, placement::lowest_free, 70>>(46, 3, 2500, kSlots, kMany));
+  slots.add(differential<CellCache<layout::sequence, Windows<5, 0, 2>, placement::none, 256>>(45, 3, 2500, kSlots, kMany));
+  slots.add(differential<CellCache<layout::sequence, Windows<0>, placement::none, 70>>(46, 3, 2500, kSlots, kMany));
   MESSAGE("many slots: ", slots.total_ops(), " operations, up to ", slots.max_live, " live sequences");
   CHECK(slots.max_live > 64);
   CHECK(slots.count(Errc::no_free_sequence) > 0);
@@ -188,6 +203,7 @@ TEST_CASE("differential: position tables over several pages, with forks and rewi
   DriverStats s;
   s.add(differential<CellCache<layout::cell, Windows<0, 70>, placement::lowest_free, 8>>(61, 4, 2000, kLong, kForks));
   s.add(differential<CellCache<layout::cell, Windows<0>, placement::clustered<64>, 8>>(62, 4, 2000, kLong, kForks));
+  s.add(differential<CellCache<layout::cell, Windows<0, 70>, test::after_last, 8>>(63, 4, 2000, kLong, kForks));
   MESSAGE("multi-page tables: ", s.total_ops(), " operations, up to ", s.max_pages, " pages, longest sequence ",
           s.max_seq_len);
   CHECK(s.max_seq_len > 3 * kPagePositions);
@@ -203,7 +219,9 @@ TEST_CASE("differential: tiny pools") {
       51, 6, 1500, {.write_lo = 1, .write_hi = 4, .cells_lo = 1, .cells_hi = 12}));
   s.add(differential<CellCache<layout::cell, Windows<0, 3>, placement::clustered<8>, 8>>(
       52, 6, 1500, {.write_lo = 1, .write_hi = 4, .cells_lo = 1, .cells_hi = 12}));
-  s.add(differential<CellCache<layout::sequence, Windows<0, 3>, placement::lowest_free, 8>>(
+  s.add(differential<CellCache<layout::cell, Windows<0, 3>, test::after_last, 8>>(
+      54, 6, 1500, {.write_lo = 1, .write_hi = 4, .cells_lo = 1, .cells_hi = 12}));
+  s.add(differential<CellCache<layout::sequence, Windows<0, 3>, placement::none, 8>>(
       53, 6, 1500, {.write_lo = 1, .write_hi = 4, .len_lo = 1, .len_hi = 3}));
   MESSAGE("tiny pools: ", s.total_ops(), " operations");
   CHECK(s.count(Errc::out_of_cells) > 0);

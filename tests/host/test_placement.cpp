@@ -1,14 +1,18 @@
-// Placement independence: one script of steps and verbs under lowest_free and clustered<B> gives
-// the same visibility as a function of (token, position, owners); only the cell numbers differ.
-// Also: clustered<B> keeps each decoding sequence inside aligned blocks of its own.
+// Placement independence: one script of steps and verbs under lowest_free, clustered<B> and the
+// tests' own after_last (after_last_placement.hpp) gives the same visibility as a function of
+// (token, position, owners); only the cell numbers differ.
+// Also: clustered<B> keeps each decoding sequence inside aligned blocks of its own; after_last
+// places as its header says.
 #include <doctest/doctest.h>
 
 #include <cstdint>
 #include <random>
 #include <set>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "after_last_placement.hpp"
 #include "cellkv/cell_cache.hpp"
 #include "support.hpp"
 
@@ -47,29 +51,59 @@ std::vector<TokenView> describe_step(const Cache& cache) {
   return out;
 }
 
+// What the concepts take and refuse, at compile time: a policy missing a hook is not a Placement,
+// a tag missing a trait is not a Layout; each layout names the placements it takes and its default.
+struct missing_freed {
+  struct SeqState {
+    friend bool operator==(const SeqState&, const SeqState&) = default;
+  };
+  explicit missing_freed(std::int32_t) {}
+  std::int32_t pick(SeqState&, FreeCells free) { return free.lowest(); }
+  void truncated(SeqState&, std::int32_t) {}
+  friend bool operator==(const missing_freed&, const missing_freed&) = default;
+};
+struct missing_rows {
+  using default_placement = placement::none;
+  template <class P>
+  static constexpr bool kAccepts = true;
+  static constexpr bool kPositionTable = false;
+};
+static_assert(Placement<placement::lowest_free> && Placement<placement::clustered<8>> && Placement<test::after_last>);
+static_assert(!Placement<missing_freed> && !Placement<placement::none> && !Placement<int>);
+static_assert(Layout<layout::cell> && Layout<layout::sequence> && !Layout<missing_rows>);
+static_assert(PlacementFor<test::after_last, layout::cell> && !PlacementFor<placement::none, layout::cell>);
+static_assert(PlacementFor<placement::none, layout::sequence> && !PlacementFor<missing_freed, layout::sequence>);
+static_assert(std::is_same_v<CellCache<layout::cell, W>::PlacementPolicy, placement::lowest_free>);
+static_assert(std::is_same_v<CellCache<layout::sequence, W>::PlacementPolicy, placement::none>);
+static_assert(std::is_same_v<CellCache<layout::sequence, W, placement::lowest_free>::PlacementPolicy, placement::none>);
+
 using Lowest = CellCache<layout::cell, W, placement::lowest_free, 16>;
 using Clustered4 = CellCache<layout::cell, W, placement::clustered<4>, 16>;
 using Clustered8 = CellCache<layout::cell, W, placement::clustered<8>, 16>;
+using AfterLast = CellCache<layout::cell, W, test::after_last, 16>;
 
-struct Trio {
+struct Policies {
   Lowest lowest;
   Clustered4 c4;
   Clustered8 c8;
-  // Applies f to each cache and checks the three results are equal; returns the first.
+  AfterLast after;
+  // Applies f to each cache and checks the results are equal; returns the first.
   template <class F>
   auto all(F&& f) {  // NOLINT
     auto a = f(lowest);
     auto b = f(c4);
     auto c = f(c8);
+    auto d = f(after);
     CHECK(a == b);
     CHECK(a == c);
+    CHECK(a == d);
     return a;
   }
 };
 
 void run_script(std::uint64_t seed) {
   const CacheConfig config{.max_write = 6, .max_cells = 64, .max_seqs = 6};
-  Trio trio{Lowest(config), Clustered4(config), Clustered8(config)};
+  Policies trio{Lowest(config), Clustered4(config), Clustered8(config), AfterLast(config)};
   std::mt19937_64 rng(seed);
   auto pick = [&](std::int32_t n) { return static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(n)); };
   for (int op = 0; op < 600; ++op) {
@@ -100,7 +134,7 @@ void run_script(std::uint64_t seed) {
 
 }  // namespace
 
-TEST_CASE("the same script under lowest_free and clustered<B> gives the same visibility") {
+TEST_CASE("the same script under lowest_free, clustered<B> and after_last gives the same visibility") {
   for (std::uint64_t seed = 1; seed <= 20; ++seed) run_script(seed);
 }
 
@@ -148,4 +182,28 @@ TEST_CASE("clustered<B>: a new block is the lowest fully free one; no free block
   const std::vector<std::int32_t> two{a, c};
   REQUIRE(cache.declare_step(two).ok());  // capacity is never lost
   CHECK(cache.free_cells() == 0);
+}
+
+TEST_CASE("test::after_last: each token follows its sequence's last cell, wrapping to the lowest free") {
+  CellCache<layout::cell, W, test::after_last> cache({.max_write = 8, .max_cells = 8});
+  const auto a = cache.seq_new().value();
+  const auto b = cache.seq_new().value();
+  const std::vector<std::int32_t> ab{a, b};
+  REQUIRE(cache.declare_step(ab).ok());
+  CHECK(test::step_rows(cache) == test::Rows{0, 1});  // no last cell yet: the lowest free
+  REQUIRE(cache.declare_step(ab).ok());
+  CHECK(test::step_rows(cache) == test::Rows{2, 3});  // a after 0, b after 1
+  REQUIRE(cache.rewind(a, 1).ok());                    // frees 2; a's last cell is 0 again
+  const std::vector<std::int32_t> a_two{a, a};
+  REQUIRE(cache.declare_step(a_two).ok());
+  CHECK(test::step_rows(cache) == test::Rows{2, 4});
+  const std::vector<std::int32_t> b_three{b, b, b};
+  REQUIRE(cache.declare_step(b_three).ok());
+  CHECK(test::step_rows(cache) == test::Rows{5, 6, 7});  // after 3, skipping the taken 4
+  CHECK(cache.free_cells() == 0);
+  REQUIRE(cache.seq_rm(a).ok());                       // frees 0, 2, 4
+  const auto c = cache.seq_clone(b, 1).value();        // a fork has no last cell of its own
+  const std::vector<std::int32_t> bc{b, c};
+  REQUIRE(cache.declare_step(bc).ok());
+  CHECK(test::step_rows(cache) == test::Rows{0, 2});  // b wraps past 7 to 0; c takes the lowest, 2
 }

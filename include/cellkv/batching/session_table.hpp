@@ -180,8 +180,8 @@ template <class C>
   const auto& q = queries_of(cache);
   using Q = std::remove_cvref_t<decltype(q)>;
   if constexpr (requires { typename Q::Layout; q.config(); q.capacity(); }) {
-    if constexpr (std::is_same_v<typename Q::Layout, layout::sequence>)
-      return {q.config().max_len, SessionErrc::exceeds_sequence};
+    if constexpr (requires { q.max_len(); })  // a layout of fixed-length slots
+      return {q.max_len(), SessionErrc::exceeds_sequence};
     else
       return {static_cast<std::int64_t>(q.capacity()), SessionErrc::exceeds_cache};
   } else {

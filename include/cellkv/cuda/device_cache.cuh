@@ -30,7 +30,7 @@ namespace cellkv::gpu {
 // PlanningVerbs; device verbs and state (upload, write, attend, update_and_attend, commit, pool(),
 // bindings(), mask(), width(), fast(), use_kernels(), share_prefixes(), work_counts(),
 // footprint()) from DeviceShard.
-template <Layout L, Element T, WindowSet W, Placement P = placement::lowest_free, std::int32_t MaxSeqs = 256>
+template <Layout L, Element T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
 class DeviceCache : public PlanningVerbs<CellCache<L, W, P, MaxSeqs>, DeviceCache<L, T, W, P, MaxSeqs>>,
                     public DeviceShard<L, T, W, P, MaxSeqs> {
   using Planning = PlanningVerbs<CellCache<L, W, P, MaxSeqs>, DeviceCache>;

@@ -27,6 +27,7 @@
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/cell_cache.hpp"
 #include "cellkv/sharing_planner.hpp"
+#include "cellkv/cuda/device_layout.cuh"
 #include "cellkv/cuda/kernels/tile_rows.cuh"
 #include "cellkv/cuda/kv_pool.hpp"
 #include "cellkv/cuda/launch/ops.cuh"
@@ -47,11 +48,14 @@ enum class KernelChoice : std::uint8_t { automatic, reference };
 // reference path). The mask buffers are allocated by the first upload that builds them.
 enum class Masks : std::uint8_t { if_needed, always, skip };
 
-template <Layout L, Element T, WindowSet W, Placement P = placement::lowest_free, std::int32_t MaxSeqs = 256>
+template <Layout L, Element T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
 class DeviceShard {
   static_assert(W::kDistinct <= kMaxWindows, "cellkv::gpu::DeviceShard: at most 8 distinct windows per model");
-  static constexpr bool kCells = std::is_same_v<L, layout::cell>;
-  using Rows = std::conditional_t<kCells, kernels::TableRows, kernels::SlotRows>;
+  static_assert(DeviceLayoutFor<L>, "cellkv::gpu::DeviceShard: the layout needs a gpu::DeviceLayout specialization");
+  // A position table: table writes, shared prefixes, dense masks for the reference kernel; else
+  // row ranges for it (device_layout.cuh).
+  static constexpr bool kTable = L::kPositionTable;
+  using Rows = typename DeviceLayout<L>::Rows;
   struct NoTableKernels {};  // fp32 storage: the reference kernel only
   using TableKernels = std::conditional_t<kTableKernelElement<T>, TableAttention<T, Rows>, NoTableKernels>;
 
@@ -68,7 +72,7 @@ class DeviceShard {
       : host_(host), pool_(config_that_fits(host.config(), shape), shape), buffers_(make_buffers(host, shape)) {
     if (shape.layers != W::kLayers)
       throw std::invalid_argument("cellkv::gpu::DeviceShard: the pool needs one layer per layer of the window set");
-    if (kCells) buffers_.bindings().max_cells = host.config().max_cells;
+    if (kTable) buffers_.bindings().max_cells = host.config().max_cells;
     if constexpr (kTableKernelElement<T>)
       if (table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv))
         table_.emplace(TableShape{shape.heads_q, shape.heads_kv, shape.head_dim, buffers_.shape().shared_slots});
@@ -113,7 +117,7 @@ class DeviceShard {
   static Result<Footprint> footprint(const CacheConfig& config, const PoolShape& shape, Masks masks = Masks::if_needed) {
     const bool reference = !table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv);
     const bool built = masks == Masks::always || (masks == Masks::if_needed && reference);
-    return device_footprint<Host>(config, shape, {sizeof(T), kCells && built, kTableKernelElement<T>});
+    return device_footprint<Host>(config, shape, {sizeof(T), kTable && built, kTableKernelElement<T>});
   }
 
   // Reports (Errc::bad_device_row) and clears a fault device code set since the last report: a
@@ -150,7 +154,7 @@ class DeviceShard {
                                      bindings().table_flat, stream);
         !s.ok())
       return s;
-    const bool fill_masks = kCells && (masks == Masks::always || (masks == Masks::if_needed && !fast()));
+    const bool fill_masks = kTable && (masks == Masks::always || (masks == Masks::if_needed && !fast()));
     if (fill_masks)
       if (const Status s = make_masks(plan.read_len, width, stream); !s.ok()) return s;
     if (const Status s = last_.record(stream); !s.ok()) return s;
@@ -223,7 +227,7 @@ class DeviceShard {
   static StepBuffers make_buffers(const Host& host, const PoolShape& shape) {
     // Refusals were checked by footprint() before the pool was allocated.
     const StepBlockShape s = step_block_shape<Host>(host.config(), shape, kTableKernelElement<T>).value();
-    if constexpr (kCells) {
+    if constexpr (kTable) {
       const PositionTable& t = host.table();
       return StepBuffers(s, static_cast<std::int64_t>(t.flat().size()), t.directory_entries(), t.dir_stride());
     } else {
@@ -246,7 +250,7 @@ class DeviceShard {
                                          std::int32_t heads_q) const {
     if (const Status s = check_layer_call(layer, tokens); !s.ok()) return s;
     if (uploaded_fast_ && heads_q != pool_.shape().heads_q) return Errc::bad_shape;
-    if (kCells && !uploaded_fast_ && !masks_filled_) return Errc::no_step_declared;
+    if (kTable && !uploaded_fast_ && !masks_filled_) return Errc::no_step_declared;
     const AttentionArgs<T> a{q, const_view(layer), const_cast<T*>(out), tokens, heads_q, 0.f};
     return detail::check_attention(a);
   }
@@ -261,10 +265,7 @@ class DeviceShard {
     else return {};
   }
 
-  [[nodiscard]] Rows rows() const noexcept {
-    if constexpr (kCells) return Rows{bindings().table};
-    else return Rows{host_.config().max_len};
-  }
+  [[nodiscard]] Rows rows() const noexcept { return DeviceLayout<L>::rows(host_, bindings()); }
 
   Status attend_buffer(std::int32_t buffer, std::int32_t layer, const T* q, T* out, std::int32_t tokens,
                        std::int32_t heads_q, float scale, ::cuda::stream_ref stream) const {
@@ -274,16 +275,15 @@ class DeviceShard {
                               rows(), bindings(), tokens_, tokens, counts_[static_cast<std::size_t>(buffer)], scale,
                               stream);
     const AttentionArgs<T> a{q, const_view(layer), out, tokens, heads_q, scale};
-    if constexpr (kCells) return masked_sdpa<T>(a, mask(buffer), bindings().max_cells, bindings().read_len, stream);
+    if constexpr (kTable) return masked_sdpa<T>(a, mask(buffer), bindings().max_cells, bindings().read_len, stream);
     else return range_sdpa<T>(a, bindings().ranges_of(buffer), bindings().read_len, stream);
   }
 
-  // Fork copies of the sequence layout, in order, before this step's writes.
+  // Fork copies (the sequence layout's; none where forks share rows), in order, before this
+  // step's writes.
   Status run_copies(::cuda::stream_ref stream) const {
-    if constexpr (!kCells) {
-      for (const RowCopy& c : host_.pending_changes().copies)
-        if (const Status s = pool_.copy_rows(c, stream); !s.ok()) return s;
-    }
+    for (const RowCopy& c : host_.pending_changes().copies)
+      if (const Status s = pool_.copy_rows(c, stream); !s.ok()) return s;
     return {};
   }
 
@@ -312,7 +312,7 @@ class DeviceShard {
         const WindowWork work = lay.work_at(block, b, host_.max_write());
         plan_window(plan.segments, shared.own_begin, window, plan_shape(), work);
         counts_[static_cast<std::size_t>(b)] = WorkCounts{work.decode_count(), work.prefill_count(), shared_items};
-      } else if constexpr (!kCells) {
+      } else if constexpr (!kTable) {
         auto* ranges = reinterpret_cast<RowRange*>(block + lay.ranges) + b * host_.max_write();
         for (std::int32_t t = 0; t < width; ++t) ranges[t] = t < plan.tokens ? host_.visible_range(t, window) : RowRange{};
       }
@@ -323,7 +323,7 @@ class DeviceShard {
   // returns the shared items.
   std::int32_t plan_sharing(const StepPlan& plan, const SharedWork& out) {
     if (out.counts == nullptr) return 0;
-    if constexpr (kCells && kTableKernelElement<T>) {
+    if constexpr (kTable && kTableKernelElement<T>) {
       if (share_prefixes_) {
         planner_.plan(plan.segments, host_.table(), table_->sharing_shape(buffers_.shape().max_runs), out);
         return out.item_count();

@@ -29,10 +29,7 @@ template <Layout L, Element T>
 class KVPool {
  public:
   // Rows per layer for a cache of this layout and config.
-  static std::int64_t rows_for(const CacheConfig& c) {
-    if constexpr (std::is_same_v<L, layout::cell>) return c.max_cells;
-    else return static_cast<std::int64_t>(c.max_seqs) * c.max_len;
-  }
+  static std::int64_t rows_for(const CacheConfig& c) { return L::rows(c); }
 
   // Throws std::invalid_argument on a non-positive size and cellkv::gpu::Error when allocation fails.
   KVPool(const CacheConfig& config, PoolShape shape) : shape_(shape), rows_(rows_for(config)) {

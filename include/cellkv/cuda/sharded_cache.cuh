@@ -44,7 +44,7 @@
 
 namespace cellkv::gpu {
 
-template <Layout L, Element T, WindowSet W, Placement P = placement::lowest_free, std::int32_t MaxSeqs = 256>
+template <Layout L, Element T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
 class ShardedCache : public PlanningVerbs<CellCache<L, W, P, MaxSeqs>, ShardedCache<L, T, W, P, MaxSeqs>> {
   using Planning = PlanningVerbs<CellCache<L, W, P, MaxSeqs>, ShardedCache>;
   friend Planning;

@@ -3,11 +3,14 @@
 // Per cell: pos (int32, -1 = free) and owners (SeqSet). Per sequence: the cell of each position, in
 // a PositionTable (pages of positions shared between forks; the device keeps a copy of it, which
 // the attention kernels read). Free cells are a two-level bitmap, so placement and every verb cost
-// time proportional to the tokens or rows they touch.
+// time proportional to the tokens or rows they touch. Which free cell a token claims is the
+// placement policy's choice (P::pick, placement.hpp); the cache tells the policy of every freed
+// cell and every truncated sequence, and never branches on which policy it holds.
 #pragma once
 
 #include <algorithm>
 #include <array>
+#include <cassert>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -31,7 +34,7 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   using typename Base::Owners;
 
   // Throws std::invalid_argument when validate(config) refuses it.
-  explicit CellCache(const CacheConfig& config) : Base(config) {
+  explicit CellCache(const CacheConfig& config) : Base(config), placement_(this->config().max_cells) {
     const std::int32_t n = this->config().max_cells;
     cell_pos_.assign(static_cast<std::size_t>(n), -1);
     owners_.assign(static_cast<std::size_t>(n), Owners{});
@@ -39,11 +42,6 @@ class CellCache<layout::cell, W, P, MaxSeqs>
     used_.assign(n, false);
     free_count_ = n;
     table_ = PositionTable(this->config().max_seqs, n);
-    if constexpr (kIsClustered<P>) {
-      block_used_.assign(static_cast<std::size_t>(n / kBlock), 0);
-      free_blocks_.assign(n / kBlock, true);
-      open_block_.fill(-1);
-    }
   }
 
   [[nodiscard]] std::int64_t capacity() const noexcept { return this->config().max_cells; }
@@ -57,6 +55,12 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   // Every live sequence's cells by position (the table the device keeps a copy of).
   [[nodiscard]] const PositionTable& table() const noexcept { return table_; }
 
+  // The placement policy and its state for sequence id s (meaningful while s is live).
+  [[nodiscard]] const P& placement() const noexcept { return placement_; }
+  [[nodiscard]] const typename P::SeqState& placement_state(std::int32_t s) const noexcept {
+    return seq_state_[static_cast<std::size_t>(s)];
+  }
+
   // Position-table entries written since the last acknowledge_changes(), each listed once.
   [[nodiscard]] PendingChanges pending_changes() const noexcept { return {{}, {table_.changed(), table_.flat()}}; }
   void acknowledge_changes() noexcept { table_.acknowledge(); }
@@ -64,11 +68,6 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   friend bool operator==(const CellCache&, const CellCache&) = default;
 
  private:
-  static constexpr std::int32_t block_size() noexcept {
-    if constexpr (kIsClustered<P>) return P::kBlock; else return 1;
-  }
-  static constexpr std::int32_t kBlock = block_size();
-
   // max_cells >= 1, and the position table's flat array indexable by int32.
   static Status validate_rows(const CacheConfig& c) {
     const std::int32_t seqs = c.max_seqs == 0 ? MaxSeqs : c.max_seqs;
@@ -82,22 +81,21 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   }
 
   std::int64_t claim_row(std::int32_t seq, std::int32_t pos) {
-    const std::int32_t c = choose_cell(seq);
+    const std::int32_t c = placement_.pick(state(seq), FreeCells(free_, free_hint_, free_count_));
+    assert(c >= 0 && c < this->config().max_cells && free_.test(c) && "Placement::pick must return a free cell");
     free_.reset(c);
     used_.set(c);
     --free_count_;
     cell_pos_[static_cast<std::size_t>(c)] = pos;
     owners_[static_cast<std::size_t>(c)].set(seq);
     table_.append(seq, c);
-    note_block_use(c, +1);
     return c;
   }
 
   void truncate_rows(std::int32_t seq, std::int32_t keep) {
     table_.for_each_cell(seq, keep, table_.length(seq), [&](std::int32_t c) { release(c, seq); });
     table_.truncate(seq, keep);
-    if constexpr (kIsClustered<P>)
-      open_block_[static_cast<std::size_t>(seq)] = keep == 0 ? -1 : table_.cell(seq, keep - 1) / kBlock;
+    placement_.truncated(state(seq), keep == 0 ? -1 : table_.cell(seq, keep - 1));
   }
 
   void share_prefix(std::int32_t src, std::int32_t dst, std::int32_t upto) {
@@ -105,10 +103,7 @@ class CellCache<layout::cell, W, P, MaxSeqs>
     table_.for_each_cell(dst, 0, upto, [&](std::int32_t c) { owners_[static_cast<std::size_t>(c)].set(dst); });
   }
 
-  void on_seq_created(std::int32_t seq) {
-    if constexpr (kIsClustered<P>) open_block_[static_cast<std::size_t>(seq)] = -1;
-    else (void)seq;
-  }
+  void on_seq_created(std::int32_t seq) { state(seq) = typename P::SeqState{}; }
 
   void clear_rows() {
     this->live_sequences().for_each([&](std::int32_t s) { truncate_rows(s, 0); });
@@ -125,36 +120,9 @@ class CellCache<layout::cell, W, P, MaxSeqs>
     return owners_[static_cast<std::size_t>(row)].test(seq);
   }
 
-  // ---- placement ----
-  std::int32_t choose_cell(std::int32_t seq) {
-    if constexpr (kIsClustered<P>) {
-      auto& open = open_block_[static_cast<std::size_t>(seq)];
-      if (open >= 0) {
-        const std::int64_t c = free_.find_first(static_cast<std::int64_t>(open) * kBlock);
-        if (c >= 0 && c < static_cast<std::int64_t>(open + 1) * kBlock) return static_cast<std::int32_t>(c);
-      }
-      if (const std::int64_t b = free_blocks_.find_first(0); b >= 0) {
-        open = static_cast<std::int32_t>(b);
-        return open * kBlock;
-      }
-      const std::int32_t c = lowest_free_cell();  // fallback: any free cell
-      open = c / kBlock;
-      return c;
-    } else {
-      (void)seq;
-      return lowest_free_cell();
-    }
-  }
+  typename P::SeqState& state(std::int32_t seq) noexcept { return seq_state_[static_cast<std::size_t>(seq)]; }
 
-  // Lowest free cell; precondition: one exists. No cell below free_hint_ is free, so a run of
-  // claims scans each word once.
-  std::int32_t lowest_free_cell() {
-    const auto c = static_cast<std::int32_t>(free_.find_first(free_hint_));
-    free_hint_ = c + 1;
-    return c;
-  }
-
-  // The last owner letting go frees the cell.
+  // The last owner letting go frees the cell; the placement hears of it.
   void release(std::int32_t c, std::int32_t seq) {
     auto& owners = owners_[static_cast<std::size_t>(c)];
     owners.reset(seq);
@@ -164,20 +132,7 @@ class CellCache<layout::cell, W, P, MaxSeqs>
     free_hint_ = std::min(free_hint_, c);
     used_.reset(c);
     ++free_count_;
-    note_block_use(c, -1);
-  }
-
-  void note_block_use(std::int32_t c, std::int32_t delta) {
-    if constexpr (kIsClustered<P>) {
-      const std::int32_t b = c / kBlock;
-      if (b >= static_cast<std::int32_t>(block_used_.size())) return;  // the partial tail block
-      auto& used = block_used_[static_cast<std::size_t>(b)];
-      if (used == 0) free_blocks_.reset(b);
-      used += delta;
-      if (used == 0) free_blocks_.set(b);
-    } else {
-      (void)c, (void)delta;
-    }
+    placement_.freed(c);
   }
 
   std::vector<std::int32_t> cell_pos_;                // [max_cells] position, -1 = free
@@ -187,10 +142,8 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   std::int64_t free_count_ = 0;
   std::int32_t free_hint_ = 0;                        // no free cell below it
   PositionTable table_;                               // [sequence][position] -> cell
-  // clustered<B> only: used cells per full block, fully free blocks, each sequence's open block
-  std::vector<std::int32_t> block_used_;
-  detail::Bitmap free_blocks_;
-  std::array<std::int32_t, static_cast<std::size_t>(MaxSeqs)> open_block_{};
+  P placement_;                                       // the policy's own state
+  std::array<typename P::SeqState, static_cast<std::size_t>(MaxSeqs)> seq_state_{};  // [MaxSeqs]
 };
 
 }  // namespace cellkv

@@ -15,7 +15,8 @@
 
 namespace cellkv {
 
-template <WindowSet W, Placement P, std::int32_t MaxSeqs>
+// P is placement::none (the default); a cell placement named here is ignored (layout.hpp).
+template <WindowSet W, PlacementFor<layout::sequence> P, std::int32_t MaxSeqs>
 class CellCache<layout::sequence, W, P, MaxSeqs>
     : public detail::CacheCommon<CellCache<layout::sequence, W, P, MaxSeqs>, W, MaxSeqs> {
   using Base = detail::CacheCommon<CellCache, W, MaxSeqs>;
@@ -23,7 +24,7 @@ class CellCache<layout::sequence, W, P, MaxSeqs>
 
  public:
   using Layout = layout::sequence;
-  using PlacementPolicy = P;  // unused: a sequence's rows are its slot
+  using PlacementPolicy = placement::none;  // a sequence's rows are its slot
 
   // Throws std::invalid_argument when validate(config) refuses it.
   explicit CellCache(const CacheConfig& config) : Base(config) {}
