@@ -155,13 +155,12 @@ __global__ void sum_parts(Parts<T, MaxParts> parts, std::int32_t n_parts, std::i
 // ---- the skinny GEMV of narrow steps ----
 //
 // y[b, n] = sum_k x'[b, k] Wt[n, k] for rows b < B (B <= 16) and outputs n < N, where x' is x, or
-// rmsnorm(x) * gain (rounded to T, as the RMSNorm kernel does) when a gain is given. One block of 8
-// warps computes 8 R consecutive outputs for all B rows. Everything the block reads is requested at
-// once, as asynchronous copies into shared memory (the B rows and the gain, then the block's 8 R
-// weight rows), so one round trip to memory covers it and the normalization of the rows overlaps
-// the weights' fetch; then each warp reads R weight rows (16-byte vectors) and keeps R B sums; the
-// epilogue sees the block's outputs x B tile. Each row's sum is accumulated in the same order whatever B is, so a row's
-// result does not depend on the rows batched with it.
+// rmsnorm(x) * gain (rounded to T, as the RMSNorm kernel does) when a gain is given. Two kernels,
+// one block of 8 warps per group of consecutive outputs, both staging everything a block reads in
+// shared memory first (stage): gemv_mma (16-bit T, B >= 4) runs mma.sync on 16 outputs; gemv (fp32,
+// or B < 4) runs FFMA on 8 R outputs, each warp keeping R B sums. Either way a row's sums are
+// accumulated in the same order whatever B is, so its result does not depend on the rows batched
+// with it.
 namespace gemv {
 
 inline constexpr int kWarps = 8;
@@ -176,9 +175,8 @@ enum class Out : std::uint8_t {
 
 // Weight rows per warp: several where N is long (W13, the LM head; Q/K/V), so that each row of x
 // read from shared memory feeds several weight rows and fewer blocks stage the rows; 1 for the
-// N = dim products (Wo, W2), which need their blocks to fill the GPU. Halved from 8 rows of x on,
-// where the B R sums would keep a block per multiprocessor and its fetch would not overlap another
-// block's arithmetic.
+// N = dim products (Wo, W2), which need their blocks to fill the GPU. Halved from 8 rows of x on
+// (fp32), where the B R sums would keep a block per multiprocessor.
 template <Out kOut, int B>
 inline constexpr int kPerWarp = (kOut == Out::store_float || kOut == Out::swiglu ? 4 : kOut == Out::qkv_rope ? 2 : 1) /
                                 (B >= 8 && kOut != Out::store ? 2 : 1);
@@ -218,38 +216,45 @@ __device__ __forceinline__ void load_vec(const T* p, float (&out)[kVec<T>]) {  /
   for (int j = 0; j < kVec<T>; ++j) out[j] = cellkv::gpu::to_float(e[j]);
 }
 
-template <class T, int B, Out kOut, bool kNorm>
-__global__ void __launch_bounds__(kThreads, 2) gemv(Args<T> a) {
-  constexpr int R = kPerWarp<kOut, B>;
-  constexpr int kOutputs = kWarps * R;  // outputs per block; warp w has outputs w, w + 8, ...
-  extern __shared__ int4 gemv_smem[];
-  T* xs = reinterpret_cast<T*>(gemv_smem);  // [B, k]: the rows, normalized in place when kNorm
-  T* gs = xs + B * a.k;                     // [k]: the RMSNorm gain (kNorm)
-  T* ws = gs + a.k;                         // [kOutputs, k]: the block's weight rows (zeros past n)
-  __shared__ float tile[kOutputs][B];
-  __shared__ float inv_rms[B];
-  const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
-  const std::int32_t k = a.k;
-  const std::int32_t n0 = static_cast<std::int32_t>(blockIdx.x) * kOutputs;
+// The block's operands in shared memory: rows [0, Rows) of x at stride ld (rows B.. zero, the first
+// B normalized in place when kNorm), the gain, and `outputs` weight rows at stride ld (zeros past
+// n). Everything is requested at once as asynchronous copies (the rows and the gain, then the
+// weights), so one round trip to memory covers the block and the normalization overlaps the
+// weights' fetch. Returns once every copy landed, after a block barrier.
+template <class T>
+struct Staged {
+  T* xs;  // [Rows, ld]
+  T* ws;  // [outputs, ld]
+};
+
+template <class T, int B, int Rows, bool kNorm>
+__device__ Staged<T> stage(const Args<T>& a, int4* smem, std::int32_t ld, int outputs) {
   namespace ck = cellkv::gpu::kernels;
-  // Two groups of asynchronous copies: the rows and the gain, then the weight rows.
-  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < B * k; i += kThreads * kVec<T>)
-    ck::cp_async_16(ck::smem_addr(xs + i), a.x + i);
+  __shared__ float inv_rms[B];
+  const std::int32_t k = a.k, n0 = static_cast<std::int32_t>(blockIdx.x) * outputs;
+  T* xs = reinterpret_cast<T*>(smem);
+  T* gs = xs + Rows * ld;
+  T* ws = gs + ld;
+  const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < Rows * k; i += kThreads * kVec<T>) {
+    const std::int32_t b = i / k;
+    ck::cp_async_16(ck::smem_addr(xs + b * ld + i % k), a.x + (b < B ? i : 0), b < B);
+  }
   if constexpr (kNorm)
     for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < k; i += kThreads * kVec<T>)
       ck::cp_async_16(ck::smem_addr(gs + i), a.gain + i);
   ck::cp_async_commit();
-  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < kOutputs * k; i += kThreads * kVec<T>) {
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < outputs * k; i += kThreads * kVec<T>) {
     const std::int32_t n = n0 + i / k;
     const T* src = a.wt + (n < a.n ? static_cast<std::int64_t>(n) * k + i % k : 0);
-    ck::cp_async_16(ck::smem_addr(ws + i), src, n < a.n);
+    ck::cp_async_16(ck::smem_addr(ws + (i / k) * ld + i % k), src, n < a.n);
   }
   ck::cp_async_commit();
   if constexpr (kNorm) {
     ck::cp_async_wait<1>();  // the rows and the gain
     __syncthreads();
     for (int b = warp; b < B; b += kWarps) {
-      const T* row = xs + b * k;
+      const T* row = xs + b * ld;
       float ss = 0.f;
       for (std::int32_t i = lane; i < k; i += 32) ss += cellkv::gpu::to_float(row[i]) * cellkv::gpu::to_float(row[i]);
 #pragma unroll
@@ -260,16 +265,63 @@ __global__ void __launch_bounds__(kThreads, 2) gemv(Args<T> a) {
     for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < B * k; i += kThreads * kVec<T>) {
       const std::int32_t b = i / k, c = i % k;
       float v[kVec<T>], g[kVec<T>];
-      load_vec(xs + i, v);
+      load_vec(xs + b * ld + c, v);
       load_vec(gs + c, g);
       alignas(16) T out[kVec<T>];
 #pragma unroll
       for (int j = 0; j < kVec<T>; ++j) out[j] = cellkv::gpu::from_float<T>(v[j] * inv_rms[b] * g[j]);
-      *reinterpret_cast<int4*>(xs + i) = *reinterpret_cast<const int4*>(out);
+      *reinterpret_cast<int4*>(xs + b * ld + c) = *reinterpret_cast<const int4*>(out);
     }
   }
-  cellkv::gpu::kernels::cp_async_wait<0>();
+  ck::cp_async_wait<0>();
   __syncthreads();
+  return {xs, ws};
+}
+
+// The epilogue: outputs [n0, n0 + kOutputs) of rows b < B from tile[o][b] (any row width W >= B),
+// stored, stored as float, rotated into q/k/v, or through SwiGLU.
+template <class T, int B, Out kOut, int kOutputs, int W>
+__device__ void write_outputs(const Args<T>& a, const float (&tile)[kOutputs][W], std::int32_t n0) {
+  if constexpr (kOut == Out::store || kOut == Out::store_float) {
+    for (int t = static_cast<int>(threadIdx.x); t < kOutputs * B; t += kThreads) {
+      const int o = t % kOutputs, b = t / kOutputs;
+      const std::int32_t nn = n0 + o;
+      if (nn >= a.n) continue;
+      const std::int64_t at = static_cast<std::int64_t>(b) * a.ld + nn;
+      if constexpr (kOut == Out::store_float) {
+        a.yf[at] = tile[o][b];
+      } else {
+        const float base = a.accumulate ? cellkv::gpu::to_float(a.y[at]) : 0.f;
+        a.y[at] = cellkv::gpu::from_float<T>(base + tile[o][b]);
+      }
+    }
+  } else {
+    for (int t = static_cast<int>(threadIdx.x); t < (kOutputs / 2) * B; t += kThreads) {
+      const int p = t % (kOutputs / 2), b = t / (kOutputs / 2);
+      const std::int32_t nn = n0 + 2 * p;
+      if (nn >= a.n) continue;  // n is even: a pair never straddles the end
+      const float y0 = tile[2 * p][b], y1 = tile[2 * p + 1][b];
+      if constexpr (kOut == Out::qkv_rope) {
+        kernels::store_qkv_pair(y0, y1, nn, b, a.q, a.kk, a.v, a.positions, a.q_w, a.kv_w, a.head_dim, a.theta);
+      } else {
+        a.a[static_cast<std::int64_t>(b) * a.ffn + nn / 2] = cellkv::gpu::from_float<T>(y0 / (1.f + __expf(-y0)) * y1);
+      }
+    }
+  }
+}
+
+template <class T, int B, Out kOut, bool kNorm>
+__global__ void __launch_bounds__(kThreads, 2) gemv(Args<T> a) {
+  constexpr int R = kPerWarp<kOut, B>;
+  constexpr int kOutputs = kWarps * R;  // outputs per block; warp w has outputs w, w + 8, ...
+  extern __shared__ int4 gemv_smem[];
+  const Staged<T> st = stage<T, B, B, kNorm>(a, gemv_smem, a.k, kOutputs);
+  const T* xs = st.xs;
+  const T* ws = st.ws;
+  __shared__ float tile[kOutputs][B];
+  const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
+  const std::int32_t k = a.k;
+  const std::int32_t n0 = static_cast<std::int32_t>(blockIdx.x) * kOutputs;
   float acc[R][B];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -304,57 +356,106 @@ __global__ void __launch_bounds__(kThreads, 2) gemv(Args<T> a) {
       for (int b = 0; b < B; ++b) tile[warp + r * kWarps][b] = acc[r][b];
   }
   __syncthreads();
-  if constexpr (kOut == Out::store || kOut == Out::store_float) {
-    for (int t = static_cast<int>(threadIdx.x); t < kOutputs * B; t += kThreads) {
-      const int o = t % kOutputs, b = t / kOutputs;
-      const std::int32_t nn = n0 + o;
-      if (nn >= a.n) continue;
-      const std::int64_t at = static_cast<std::int64_t>(b) * a.ld + nn;
-      if constexpr (kOut == Out::store_float) {
-        a.yf[at] = tile[o][b];
-      } else {
-        const float base = a.accumulate ? cellkv::gpu::to_float(a.y[at]) : 0.f;
-        a.y[at] = cellkv::gpu::from_float<T>(base + tile[o][b]);
-      }
-    }
-  } else {
-    for (int t = static_cast<int>(threadIdx.x); t < (kOutputs / 2) * B; t += kThreads) {
-      const int p = t % (kOutputs / 2), b = t / (kOutputs / 2);
-      const std::int32_t nn = n0 + 2 * p;
-      if (nn >= a.n) continue;  // n is even: a pair never straddles the end
-      const float y0 = tile[2 * p][b], y1 = tile[2 * p + 1][b];
-      if constexpr (kOut == Out::qkv_rope) {
-        kernels::store_qkv_pair(y0, y1, nn, b, a.q, a.kk, a.v, a.positions, a.q_w, a.kv_w, a.head_dim, a.theta);
-      } else {
-        a.a[static_cast<std::int64_t>(b) * a.ffn + nn / 2] = cellkv::gpu::from_float<T>(y0 / (1.f + __expf(-y0)) * y1);
-      }
+  write_outputs<T, B, kOut, kOutputs>(a, tile, n0);
+}
+
+// The tensor-core GEMV (16-bit T): one block of 8 warps computes 16 consecutive outputs for all B
+// rows with mma.sync m16n8k16, A the 16 weight rows and B the rows of x (padded with zero rows to a
+// multiple of 8), both staged in shared memory at a stride of k + 8 elements (conflict-free
+// ldmatrix). Warp w takes the k steps w, w + 8, ... of 16; the warps' sums are added in warp order.
+// Each row's result depends on its own x only, not on the rows batched with it.
+inline constexpr int kMmaOutputs = 16;
+template <int B>
+inline constexpr int kMmaRows = B < 8 ? 8 : B;
+
+__device__ __forceinline__ void ldmatrix_x2(std::uint32_t& r0, std::uint32_t& r1, std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
+template <class T, int B, Out kOut, bool kNorm>
+__global__ void __launch_bounds__(kThreads) gemv_mma(Args<T> a) {
+  namespace ck = cellkv::gpu::kernels;
+  constexpr int kRows = kMmaRows<B>, kTiles = kRows / 8;
+  extern __shared__ int4 gemv_smem[];
+  const std::int32_t k = a.k, ld = k + 8;
+  const Staged<T> st = stage<T, B, kRows, kNorm>(a, gemv_smem, ld, kMmaOutputs);
+  __shared__ float part[kWarps][kMmaOutputs][kRows];
+  __shared__ float tile[kMmaOutputs][kRows];
+  const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
+  const int g = lane / 4, q = lane % 4, m = lane / 8, r8 = lane % 8;
+  // ldmatrix row addresses: A x4 (rows r8 + 8 (m % 2), k + 8 (m / 2)); B x2 (row r8, k + 8 (m % 2)).
+  const std::uint32_t a_row = ck::smem_addr(st.ws + (r8 + 8 * (m & 1)) * ld + 8 * (m >> 1));
+  const std::uint32_t b_row = ck::smem_addr(st.xs + r8 * ld + 8 * (m & 1));
+  float acc[kTiles][4] = {};
+  for (std::int32_t step = warp; step < k / 16; step += kWarps) {
+    std::uint32_t af[4];
+    ck::ldmatrix_x4(af, a_row + static_cast<std::uint32_t>(step) * 32);
+#pragma unroll
+    for (int j = 0; j < kTiles; ++j) {
+      std::uint32_t b0, b1;
+      ldmatrix_x2(b0, b1, b_row + static_cast<std::uint32_t>(j * 8 * ld * 2 + step * 32));
+      ck::mma_16816<T>(acc[j], af, b0, b1);
     }
   }
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j) {
+    part[warp][g][8 * j + 2 * q] = acc[j][0];
+    part[warp][g][8 * j + 2 * q + 1] = acc[j][1];
+    part[warp][g + 8][8 * j + 2 * q] = acc[j][2];
+    part[warp][g + 8][8 * j + 2 * q + 1] = acc[j][3];
+  }
+  __syncthreads();
+  for (int t = static_cast<int>(threadIdx.x); t < kMmaOutputs * kRows; t += kThreads) {
+    const int o = t / kRows, b = t % kRows;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += part[w][o][b];
+    tile[o][b] = sum;
+  }
+  __syncthreads();
+  write_outputs<T, B, kOut, kMmaOutputs>(a, tile, static_cast<std::int32_t>(blockIdx.x) * kMmaOutputs);
 }
 
-// Dynamic shared memory of a launch: the B rows, the gain and the block's weight rows.
+// The tensor-core kernel serves 16-bit elements from 4 rows on (below, it would pad the rows to 8
+// and run more blocks than the FFMA kernel, which measured faster there); fp32 runs the FFMA kernel.
 template <class T>
-constexpr std::size_t smem_bytes(int rows, std::int32_t k, int weight_rows) {
-  return static_cast<std::size_t>(rows + 1 + weight_rows) * static_cast<std::size_t>(k) * sizeof(T);
+constexpr bool tensor_cores(int rows) {
+  return sizeof(T) == 2 && rows >= 4;
 }
 
-// Whether the GEMV serves k (16-byte rows) for `rows` rows with `weight_rows` weight rows per block
-// (8 kPerWarp) within `limit` bytes of shared memory.
+// Dynamic shared memory of `rows` staged rows, the gain and `weight_rows` weight rows, at stride ld.
+template <class T>
+constexpr std::size_t smem_bytes(int rows, std::int32_t ld, int weight_rows) {
+  return static_cast<std::size_t>(rows + 1 + weight_rows) * static_cast<std::size_t>(ld) * sizeof(T);
+}
+
+// Dynamic shared memory of a launch for B rows of length k (ffma_weight_rows: 8 kPerWarp).
+template <class T>
+constexpr std::size_t launch_smem_bytes(int rows, std::int32_t k, int ffma_weight_rows) {
+  if (tensor_cores<T>(rows)) return smem_bytes<T>(rows < 8 ? 8 : rows, k + 8, kMmaOutputs);
+  return smem_bytes<T>(rows, k, ffma_weight_rows);
+}
+
+// Whether the GEMV serves k for `rows` rows with `weight_rows` weight rows per block of the FFMA
+// kernel (8 kPerWarp) within `limit` bytes of shared memory (12 KB left for static memory).
 template <class T>
 constexpr bool fits(int rows, std::int32_t k, int limit, int weight_rows) {
-  return k % kVec<T> == 0 && smem_bytes<T>(rows, k, weight_rows) + 4096 <= static_cast<std::size_t>(limit);
+  return k % 16 == 0 && launch_smem_bytes<T>(rows, k, weight_rows) + 12288 <= static_cast<std::size_t>(limit);
 }
 
 template <class T, int B, Out kOut, bool kNorm>
 cudaError_t launch_rows(const Args<T>& a, cudaStream_t stream) {
-  const std::size_t bytes = smem_bytes<T>(B, a.k, kWarps * kPerWarp<kOut, B>);
+  constexpr int kOutputs = tensor_cores<T>(B) ? kMmaOutputs : kWarps * kPerWarp<kOut, B>;
+  const std::size_t bytes = launch_smem_bytes<T>(B, a.k, kWarps * kPerWarp<kOut, B>);
+  auto* kernel = [] {
+    if constexpr (tensor_cores<T>(B)) return gemv_mma<T, B, kOut, kNorm>;
+    else return gemv<T, B, kOut, kNorm>;
+  }();
   // Always raised: the 48 KB default covers the static shared memory too.
-  const cudaError_t e =
-      cudaFuncSetAttribute(gemv<T, B, kOut, kNorm>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (e != cudaSuccess) return e;
-  constexpr int kOutputs = kWarps * kPerWarp<kOut, B>;
   const unsigned blocks = static_cast<unsigned>((a.n + kOutputs - 1) / kOutputs);
-  gemv<T, B, kOut, kNorm><<<blocks, kThreads, bytes, stream>>>(a);
+  kernel<<<blocks, kThreads, bytes, stream>>>(a);
   return cudaGetLastError();
 }
 
