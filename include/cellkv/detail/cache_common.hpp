@@ -12,6 +12,8 @@
 //   void    clear_rows()                                   // release everything
 //   void    for_each_visible_row(int32_t seq, int32_t lo_pos, int32_t hi_pos, F f)
 //   int32_t row_pos(int64_t row), bool row_owned_by(int64_t row, int32_t seq)
+//   static Status validate_rows(const CacheConfig&)      // the layout's sizes (max_seqs filled in)
+//   static size_t layout_host_bytes(const CacheConfig&)  // the layout's host bytes, once valid
 //
 // Invariant: sequence s holds exactly the positions [0, pos(s)).
 #pragma once
