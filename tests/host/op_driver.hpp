@@ -215,6 +215,15 @@ class OpDriver {
     return ok ? std::string{} : report();
   }
 
+  // Scripted operations, checked as the random ones are (the fuzz harness fills big caches fast with
+  // them): a new sequence; a step of the given ids.
+  std::string scripted_seq_new(Entropy& e) {
+    return scripted([&] { return op_seq_new(); }, e);
+  }
+  std::string scripted_declare(const std::vector<std::int32_t>& ids, Entropy& e) {
+    return scripted([&] { return declare_ids(ids); }, e);
+  }
+
   // Up to `max_ops` operations, stopping at the first mismatch or when the source runs dry.
   std::string run(Entropy& e, std::int64_t max_ops) {
     for (std::int64_t i = 0; i < max_ops && !e.exhausted(); ++i)
@@ -305,8 +314,20 @@ class OpDriver {
 
   // ---- operations ----
 
-  bool op_declare(Entropy& e) {
-    const std::vector<std::int32_t> ids = step_ids(e);
+  template <class Op>
+  std::string scripted(Op&& op, Entropy& e) {
+    err_.clear();
+    desc_.clear();
+    ++op_number_;
+    bool ok = op();
+    remember(desc_);
+    if (ok) ok = check_state(e);
+    return ok ? std::string{} : report();
+  }
+
+  bool op_declare(Entropy& e) { return declare_ids(step_ids(e)); }
+
+  bool declare_ids(const std::vector<std::int32_t>& ids) {
     desc_ = "declare_step(" + list_str(ids) + ")";
     ++stats_.ops[static_cast<std::size_t>(OpKind::declare_step)];
     const Cache before = cache_;
