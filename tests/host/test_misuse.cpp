@@ -3,6 +3,7 @@
 // result, degenerate shapes for the reference. Each is refused with its status and changes nothing.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -236,6 +237,14 @@ TEST_CASE("value() of a refused session result throws, naming the reason and the
   } catch (const batching::BadSessionResultAccess& e) {
     CHECK(e.code() == Errc::too_many_sessions);
     CHECK(e.status() == refused.status());
+    CHECK(std::string(e.what()).find("SessionResult::value()") != std::string::npos);
+  }
+  try {
+    (void)cache.pos(3).value();  // max_seqs 1: id 3 is out of range
+    FAIL("value() returned");
+  } catch (const BadResultAccess& e) {
+    CHECK(e.code() == Errc::bad_sequence_id);
+    CHECK(std::string(e.what()).find("Result::value()") != std::string::npos);
   }
   const std::vector<std::int32_t> bad{1, 10};
   const auto out_of_vocab = table.add(bad, 2);
@@ -271,4 +280,34 @@ TEST_CASE("the reference refuses a head dim below 1 and a negative window, writi
   CHECK(out == std::vector<float>(4, -3.f));
   CHECK(reference::update_and_attend<Cells, float>(cache, kMax, pool, q, k, v, out, 1, 1.f).ok());
   CHECK(out[0] == doctest::Approx(1.f));
+}
+
+TEST_CASE("every status code and session detail has its own description") {
+  std::vector<std::string> seen;
+  for (int e = 0; e <= static_cast<int>(Errc::out_of_memory); ++e) {
+    const std::string text(describe(static_cast<Errc>(e)));
+    CAPTURE(e);
+    CHECK(!text.empty());
+    CHECK(text != "unknown status");
+    CHECK(std::find(seen.begin(), seen.end(), text) == seen.end());
+    CHECK(Status(static_cast<Errc>(e)).message() == text);
+    seen.push_back(text);
+  }
+  CHECK(describe(static_cast<Errc>(static_cast<int>(Errc::out_of_memory) + 1)) == "unknown status");
+
+  using batching::SessionErrc;
+  seen.clear();
+  CHECK(describe(SessionErrc::none).empty());
+  for (int d = 1; d <= static_cast<int>(SessionErrc::no_room); ++d) {
+    const std::string text(describe(static_cast<SessionErrc>(d)));
+    CAPTURE(d);
+    CHECK(!text.empty());
+    CHECK(text != "unknown detail");
+    CHECK(std::find(seen.begin(), seen.end(), text) == seen.end());
+    seen.push_back(text);
+  }
+  CHECK(describe(static_cast<SessionErrc>(static_cast<int>(SessionErrc::no_room) + 1)) == "unknown detail");
+  const batching::SessionStatus s(Errc::out_of_cells, SessionErrc::no_room, 7);
+  CHECK(s.message() == std::string(describe(Errc::out_of_cells)) + ": session 7: " + std::string(describe(SessionErrc::no_room)));
+  CHECK(batching::SessionStatus(Errc::bad_argument).message() == describe(Errc::bad_argument));
 }
