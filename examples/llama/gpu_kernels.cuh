@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cellkv/batching/device_sampling.cuh>
+#include <cellkv/cuda/kernels/mma.cuh>
 #include <cellkv/cuda/numeric.cuh>
 
 #include <cstdint>
@@ -155,9 +156,11 @@ __global__ void sum_parts(Parts<T, MaxParts> parts, std::int32_t n_parts, std::i
 //
 // y[b, n] = sum_k x'[b, k] Wt[n, k] for rows b < B (B <= 16) and outputs n < N, where x' is x, or
 // rmsnorm(x) * gain (rounded to T, as the RMSNorm kernel does) when a gain is given. One block of 8
-// warps computes 8 R consecutive outputs for all B rows: the rows sit in shared memory, each warp
-// streams R weight rows once (16-byte loads) and keeps R B sums; the epilogue sees the block's
-// outputs x B tile. Each row's sum is accumulated in the same order whatever B is, so a row's
+// warps computes 8 R consecutive outputs for all B rows. Everything the block reads is requested at
+// once, as asynchronous copies into shared memory (the B rows and the gain, then the block's 8 R
+// weight rows), so one round trip to memory covers it and the normalization of the rows overlaps
+// the weights' fetch; then each warp reads R weight rows (16-byte vectors) and keeps R B sums; the
+// epilogue sees the block's outputs x B tile. Each row's sum is accumulated in the same order whatever B is, so a row's
 // result does not depend on the rows batched with it.
 namespace gemv {
 
@@ -173,9 +176,12 @@ enum class Out : std::uint8_t {
 
 // Weight rows per warp: several where N is long (W13, the LM head; Q/K/V), so that each row of x
 // read from shared memory feeds several weight rows and fewer blocks stage the rows; 1 for the
-// N = dim products (Wo, W2), which need their blocks to fill the GPU.
-template <Out kOut>
-inline constexpr int kPerWarp = kOut == Out::store_float || kOut == Out::swiglu ? 4 : kOut == Out::qkv_rope ? 2 : 1;
+// N = dim products (Wo, W2), which need their blocks to fill the GPU. Halved from 8 rows of x on,
+// where the B R sums would keep a block per multiprocessor and its fetch would not overlap another
+// block's arithmetic.
+template <Out kOut, int B>
+inline constexpr int kPerWarp = (kOut == Out::store_float || kOut == Out::swiglu ? 4 : kOut == Out::qkv_rope ? 2 : 1) /
+                                (B >= 8 && kOut != Out::store ? 2 : 1);
 
 template <class T>
 struct Args {
@@ -205,28 +211,45 @@ template <class T>
 inline constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte load
 
 template <class T>
-__device__ __forceinline__ void load_vec(const T* p, float (&out)[kVec<T>], bool global) {
-  int4 raw;
-  if (global) raw = __ldg(reinterpret_cast<const int4*>(p));
-  else raw = *reinterpret_cast<const int4*>(p);
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[kVec<T>]) {  // p: shared memory
+  const int4 raw = *reinterpret_cast<const int4*>(p);
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int j = 0; j < kVec<T>; ++j) out[j] = cellkv::gpu::to_float(e[j]);
 }
 
 template <class T, int B, Out kOut, bool kNorm>
-__global__ void __launch_bounds__(kThreads) gemv(Args<T> a) {
-  constexpr int R = kPerWarp<kOut>;
+__global__ void __launch_bounds__(kThreads, 2) gemv(Args<T> a) {
+  constexpr int R = kPerWarp<kOut, B>;
   constexpr int kOutputs = kWarps * R;  // outputs per block; warp w has outputs w, w + 8, ...
   extern __shared__ int4 gemv_smem[];
-  T* xs = reinterpret_cast<T*>(gemv_smem);  // [B, k]
+  T* xs = reinterpret_cast<T*>(gemv_smem);  // [B, k]: the rows, normalized in place when kNorm
+  T* gs = xs + B * a.k;                     // [k]: the RMSNorm gain (kNorm)
+  T* ws = gs + a.k;                         // [kOutputs, k]: the block's weight rows (zeros past n)
   __shared__ float tile[kOutputs][B];
   __shared__ float inv_rms[B];
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
   const std::int32_t k = a.k;
+  const std::int32_t n0 = static_cast<std::int32_t>(blockIdx.x) * kOutputs;
+  namespace ck = cellkv::gpu::kernels;
+  // Two groups of asynchronous copies: the rows and the gain, then the weight rows.
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < B * k; i += kThreads * kVec<T>)
+    ck::cp_async_16(ck::smem_addr(xs + i), a.x + i);
+  if constexpr (kNorm)
+    for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < k; i += kThreads * kVec<T>)
+      ck::cp_async_16(ck::smem_addr(gs + i), a.gain + i);
+  ck::cp_async_commit();
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < kOutputs * k; i += kThreads * kVec<T>) {
+    const std::int32_t n = n0 + i / k;
+    const T* src = a.wt + (n < a.n ? static_cast<std::int64_t>(n) * k + i % k : 0);
+    ck::cp_async_16(ck::smem_addr(ws + i), src, n < a.n);
+  }
+  ck::cp_async_commit();
   if constexpr (kNorm) {
+    ck::cp_async_wait<1>();  // the rows and the gain
+    __syncthreads();
     for (int b = warp; b < B; b += kWarps) {
-      const T* row = a.x + static_cast<std::int64_t>(b) * k;
+      const T* row = xs + b * k;
       float ss = 0.f;
       for (std::int32_t i = lane; i < k; i += 32) ss += cellkv::gpu::to_float(row[i]) * cellkv::gpu::to_float(row[i]);
 #pragma unroll
@@ -234,50 +257,33 @@ __global__ void __launch_bounds__(kThreads) gemv(Args<T> a) {
       if (lane == 0) inv_rms[b] = rsqrtf(ss / static_cast<float>(k) + a.eps);
     }
     __syncthreads();
-  }
-  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < B * k; i += kThreads * kVec<T>) {
-    if constexpr (kNorm) {
+    for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < B * k; i += kThreads * kVec<T>) {
       const std::int32_t b = i / k, c = i % k;
       float v[kVec<T>], g[kVec<T>];
-      load_vec(a.x + i, v, true);
-      load_vec(a.gain + c, g, true);
+      load_vec(xs + i, v);
+      load_vec(gs + c, g);
       alignas(16) T out[kVec<T>];
 #pragma unroll
       for (int j = 0; j < kVec<T>; ++j) out[j] = cellkv::gpu::from_float<T>(v[j] * inv_rms[b] * g[j]);
       *reinterpret_cast<int4*>(xs + i) = *reinterpret_cast<const int4*>(out);
-    } else {
-      *reinterpret_cast<int4*>(xs + i) = __ldg(reinterpret_cast<const int4*>(a.x + i));
     }
   }
+  cellkv::gpu::kernels::cp_async_wait<0>();
   __syncthreads();
-  const std::int32_t n0 = static_cast<std::int32_t>(blockIdx.x) * kOutputs;
   float acc[R][B];
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int b = 0; b < B; ++b) acc[r][b] = 0.f;
-  const T* w[R];
-  bool live[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const std::int32_t n = n0 + warp + r * kWarps;
-    live[r] = n < a.n;
-    w[r] = a.wt + static_cast<std::int64_t>(live[r] ? n : 0) * k;
-  }
 #pragma unroll 2
   for (std::int32_t c = lane * kVec<T>; c < k; c += 32 * kVec<T>) {
     float wv[R][kVec<T>];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (live[r]) load_vec(w[r] + c, wv[r], true);
-      else
-#pragma unroll
-        for (int j = 0; j < kVec<T>; ++j) wv[r][j] = 0.f;
-    }
+    for (int r = 0; r < R; ++r) load_vec(ws + static_cast<std::int64_t>(warp + r * kWarps) * k + c, wv[r]);
 #pragma unroll
     for (int b = 0; b < B; ++b) {
       float xv[kVec<T>];
-      load_vec(xs + b * k + c, xv, false);
+      load_vec(xs + b * k + c, xv);
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -326,27 +332,27 @@ __global__ void __launch_bounds__(kThreads) gemv(Args<T> a) {
   }
 }
 
-// Shared memory of a launch: the B rows.
+// Dynamic shared memory of a launch: the B rows, the gain and the block's weight rows.
 template <class T>
-constexpr std::size_t smem_bytes(int rows, std::int32_t k) {
-  return static_cast<std::size_t>(rows) * static_cast<std::size_t>(k) * sizeof(T);
+constexpr std::size_t smem_bytes(int rows, std::int32_t k, int weight_rows) {
+  return static_cast<std::size_t>(rows + 1 + weight_rows) * static_cast<std::size_t>(k) * sizeof(T);
 }
 
-// Whether the GEMV serves k (16-byte rows) for `rows` rows within `limit` bytes of shared memory.
+// Whether the GEMV serves k (16-byte rows) for `rows` rows with `weight_rows` weight rows per block
+// (8 kPerWarp) within `limit` bytes of shared memory.
 template <class T>
-constexpr bool fits(int rows, std::int32_t k, int limit) {
-  return k % kVec<T> == 0 && smem_bytes<T>(rows, k) + 4096 <= static_cast<std::size_t>(limit);
+constexpr bool fits(int rows, std::int32_t k, int limit, int weight_rows) {
+  return k % kVec<T> == 0 && smem_bytes<T>(rows, k, weight_rows) + 4096 <= static_cast<std::size_t>(limit);
 }
 
 template <class T, int B, Out kOut, bool kNorm>
 cudaError_t launch_rows(const Args<T>& a, cudaStream_t stream) {
-  const std::size_t bytes = smem_bytes<T>(B, a.k);
-  if (bytes > 48 * 1024) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(gemv<T, B, kOut, kNorm>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-    if (e != cudaSuccess) return e;
-  }
-  constexpr int kOutputs = kWarps * kPerWarp<kOut>;
+  const std::size_t bytes = smem_bytes<T>(B, a.k, kWarps * kPerWarp<kOut, B>);
+  // Always raised: the 48 KB default covers the static shared memory too.
+  const cudaError_t e =
+      cudaFuncSetAttribute(gemv<T, B, kOut, kNorm>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) return e;
+  constexpr int kOutputs = kWarps * kPerWarp<kOut, B>;
   const unsigned blocks = static_cast<unsigned>((a.n + kOutputs - 1) / kOutputs);
   gemv<T, B, kOut, kNorm><<<blocks, kThreads, bytes, stream>>>(a);
   return cudaGetLastError();

@@ -342,8 +342,13 @@ class GpuRank {
     if (width > options_.max_gemv_width) return 0;
     int rows = 1;
     while (rows < width) rows *= 2;
-    const std::int32_t widest = std::max({c_.dim, c_.q_width(), c_.ffn});
-    return gemv::fits<T>(rows, widest, smem_limit_) && gemv::fits<T>(rows, c_.dim, smem_limit_) ? rows : 0;
+    // k = dim for Q/K/V, W13 and the LM head (up to 4 weight rows per warp); q_width for Wo and ffn
+    // for W2 (1 per warp).
+    const std::int32_t widest = std::max(c_.q_width(), c_.ffn);
+    return gemv::fits<T>(rows, widest, smem_limit_, gemv::kWarps) &&
+                   gemv::fits<T>(rows, c_.dim, smem_limit_, gemv::kWarps * 4)
+               ? rows
+               : 0;
   }
 
   // The forward of `width` rows over every layer and the logits: fixed buffers only (capturable).

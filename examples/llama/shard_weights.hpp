@@ -43,7 +43,7 @@ struct ShardPlan {
   cellkv::ShardRange ffn;
 };
 
-// Refuses what cellkv::head_shard refuses, and ffn not a multiple of G (uneven_shards).
+// Refuses what cellkv::head_shard refuses, and ffn not a multiple of G (bad_shape).
 inline cellkv::Result<ShardPlan> shard_plan(const Config& c, std::int32_t shards, std::int32_t g) {
   const auto heads = cellkv::head_shard(c.heads_q, c.heads_kv, shards, g);
   if (!heads.ok()) return heads.status().code();

@@ -58,7 +58,7 @@ class TpLlama {
     if (!built.ok()) {
       release();
       const std::string what = "llama::TpLlama: " + std::string(built.message());
-      if (built.code() == cellkv::Errc::uneven_shards || built.code() == cellkv::Errc::bad_head_ratio ||
+      if (built.code() == cellkv::Errc::bad_shape || built.code() == cellkv::Errc::bad_head_ratio ||
           built.code() == cellkv::Errc::bad_argument)
         throw std::invalid_argument(what);
       throw std::runtime_error(what);

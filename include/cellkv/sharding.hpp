@@ -24,10 +24,10 @@ struct ShardRange {
 };
 
 // Shard g's part of n items split evenly over `shards`. Refuses shards < 1, n < 1 or g outside
-// [0, shards) with bad_argument, and n not a multiple of shards with uneven_shards.
+// [0, shards) with bad_argument, and n not a multiple of shards with bad_shape.
 [[nodiscard]] constexpr Result<ShardRange> even_part(std::int32_t n, std::int32_t shards, std::int32_t g) noexcept {
   if (shards < 1 || n < 1 || g < 0 || g >= shards) return Errc::bad_argument;
-  if (n % shards != 0) return Errc::uneven_shards;
+  if (n % shards != 0) return Errc::bad_shape;
   const std::int32_t per = n / shards;
   return ShardRange{g * per, per};
 }
@@ -41,7 +41,7 @@ struct HeadShard {
 };
 
 // Shard g of G for H_q query and H_kv KV heads. Refuses: bad_head_ratio when H_q is not a positive
-// multiple of H_kv; uneven_shards when H_kv is not a multiple of G (so H_q is one too);
+// multiple of H_kv; bad_shape when H_kv is not a multiple of G (so H_q is one too);
 // bad_argument when G < 1 or g is outside [0, G).
 [[nodiscard]] constexpr Result<HeadShard> head_shard(std::int32_t heads_q, std::int32_t heads_kv, std::int32_t shards,
                                                      std::int32_t g) noexcept {

@@ -11,7 +11,8 @@
 
 namespace cellkv {
 
-// Why a call was refused. Values are stable; `describe` names each one for a human.
+// Why a call of the cache, its planners or its kernels was refused; `describe` names each one for a
+// human. The batching layer adds its own details on top of these (batching/session_status.hpp).
 enum class Errc : std::uint8_t {
   ok = 0,
   // step admission (docs/design.md section 4)
@@ -26,20 +27,14 @@ enum class Errc : std::uint8_t {
   bad_position,       // rewind / seq_clone `upto` outside [0, pos(id)]
   no_step_declared,   // a forward or upload without a placed step (or after a verb invalidated it)
   // launchers and device bindings
-  bad_shape,          // a tensor shape disagrees with the pool or the step
+  bad_shape,          // a tensor shape disagrees with the pool or the step, or does not split
+                      // evenly over tensor-parallel shards
   bad_head_ratio,     // H_q is not a positive multiple of H_kv
   unsupported_head_dim,
   unsupported_dtype,
   misaligned_pointer,  // a pointer is not 16-byte aligned where a kernel needs vector access
   bad_argument,        // any other argument outside its documented range
   device_error,        // a CUDA call failed; gpu::last_cuda_failure() says which (cuda/error.hpp)
-  // batching
-  unknown_session,
-  too_many_sessions,
-  over_budget,         // a prompt or a generation would pass its token budget
-  overlapping_input,   // the same session was given input twice in one step
-  // tensor parallelism
-  uneven_shards,       // heads or columns do not split evenly over the shards
   // sizes and device faults
   size_overflow,       // a configuration's sizes overflow what cellkv can index or count (size_t, int32)
   bad_device_row,      // a device write met a row outside the pool (its data went to the scratch row)
@@ -58,18 +53,14 @@ enum class Errc : std::uint8_t {
     case Errc::no_free_sequence: return "no free sequence id: every id is live";
     case Errc::bad_position: return "bad position: outside [0, pos(id)]";
     case Errc::no_step_declared: return "no step declared: call declare_step before the forward";
-    case Errc::bad_shape: return "bad shape: a tensor shape disagrees with the pool or the step";
+    case Errc::bad_shape:
+      return "bad shape: a tensor shape disagrees with the pool or the step, or does not split evenly over the shards";
     case Errc::bad_head_ratio: return "bad head ratio: H_q must be a positive multiple of H_kv";
     case Errc::unsupported_head_dim: return "unsupported head dim: cellkv supports 64, 128 and 256";
     case Errc::unsupported_dtype: return "unsupported dtype: cellkv supports bf16, fp16 and fp32";
     case Errc::misaligned_pointer: return "misaligned pointer: tensors must be 16-byte aligned";
     case Errc::bad_argument: return "bad argument: a value outside its documented range";
     case Errc::device_error: return "device error: a CUDA call failed";
-    case Errc::unknown_session: return "unknown session: no live session has this id";
-    case Errc::too_many_sessions: return "too many sessions: every sequence of the cache is in use";
-    case Errc::over_budget: return "over budget: the prompt or generation passes its token budget";
-    case Errc::overlapping_input: return "overlapping input: a session was given input twice";
-    case Errc::uneven_shards: return "uneven shards: heads or columns must split evenly over the shards";
     case Errc::size_overflow: return "size overflow: the configuration's sizes overflow size_t or int32";
     case Errc::bad_device_row:
       return "bad device row: a device write met a row outside the pool; the write went to the scratch row";

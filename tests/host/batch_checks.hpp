@@ -29,6 +29,20 @@ struct doctest::StringMaker<cellkv::batching::SessionErrc> {
 
 namespace cellkv::test {
 
+// check_batch's verdict: the core code, and which batching rule a bad_argument broke.
+enum class BatchFault : std::uint8_t { none, unknown_session, overlapping_input };
+struct BatchVerdict {
+  Errc code = Errc::ok;
+  BatchFault fault = BatchFault::none;
+  BatchVerdict() = default;
+  BatchVerdict(Errc c) : code(c) {}  // NOLINT: implicit, as Status
+  BatchVerdict(Status s) : code(s.code()) {}  // NOLINT
+  BatchVerdict(BatchFault f) : code(Errc::bad_argument), fault(f) {}  // NOLINT
+  [[nodiscard]] bool ok() const { return code == Errc::ok; }
+  friend bool operator==(const BatchVerdict& v, Errc c) { return v.code == c && v.fault == BatchFault::none; }
+  friend bool operator==(const BatchVerdict& v, BatchFault f) { return v.fault == f; }
+};
+
 // plan_slices, refusing invalid arguments with Errc::bad_argument.
 [[nodiscard]] inline Result<std::vector<batching::Slice>> plan_slices_checked(std::int32_t total,
                                                                               std::int32_t max_step_tokens,
@@ -69,16 +83,16 @@ bool next_samples(const Table& table, SessionId id, std::int32_t length) {
 
 // Logit rows in range, ascending, and naming the session of their token.
 template <class Table>
-Status check_logit_rows(const Table& table, const StepBatch& batch) {
+BatchVerdict check_logit_rows(const Table& table, const StepBatch& batch) {
   std::int32_t prev = -1;
   for (const LogitRow& r : batch.logit_rows) {
     if (r.row <= prev || r.row >= batch.size()) return Errc::bad_argument;
     prev = r.row;
   }
   for (const std::int32_t seq : batch.seqs)
-    if (table.session_of_sequence(seq) == 0) return Errc::unknown_session;
+    if (table.session_of_sequence(seq) == 0) return BatchFault::unknown_session;
   for (const LogitRow& r : batch.logit_rows) {
-    if (!table.is_live(r.session)) return Errc::unknown_session;
+    if (!table.is_live(r.session)) return BatchFault::unknown_session;
     if (table.sequence_of(r.session).value() != batch.seqs[static_cast<std::size_t>(r.row)]) return Errc::bad_argument;
   }
   return {};
@@ -91,11 +105,11 @@ inline std::size_t run_end(const StepBatch& batch, std::size_t begin) {
   return end;
 }
 
-// Each session's tokens are one run holding at most one logit row (overlapping_input otherwise);
+// Each session's tokens are one run holding at most one logit row (BatchFault::overlapping_input otherwise);
 // then each run ends at a logit row and has the length and samples flag of the session's next input
 // with the room left where the run begins (bad_argument otherwise).
 template <class Table>
-Status check_runs(const Table& table, const StepBatch& batch, std::int32_t room) {
+BatchVerdict check_runs(const Table& table, const StepBatch& batch, std::int32_t room) {
   std::vector<const LogitRow*> row_at(batch.tokens.size(), nullptr);
   for (const LogitRow& r : batch.logit_rows) row_at[static_cast<std::size_t>(r.row)] = &r;
   std::vector<SessionId> seen;
@@ -103,10 +117,10 @@ Status check_runs(const Table& table, const StepBatch& batch, std::int32_t room)
     end = run_end(batch, begin);
     const SessionId id = table.session_of_sequence(batch.seqs[begin]);
     for (const SessionId s : seen)
-      if (s == id) return Errc::overlapping_input;
+      if (s == id) return BatchFault::overlapping_input;
     seen.push_back(id);
     for (std::size_t t = begin; t + 1 < end; ++t)
-      if (row_at[t] != nullptr) return Errc::overlapping_input;
+      if (row_at[t] != nullptr) return BatchFault::overlapping_input;
   }
   for (std::size_t begin = 0, end = 0; begin < batch.seqs.size(); begin = end) {
     end = run_end(batch, begin);
@@ -125,9 +139,9 @@ Status check_runs(const Table& table, const StepBatch& batch, std::int32_t room)
 // Whether `batch` is a step `table` could run now. Refuses, in this order: no tokens (empty_step);
 // more than max_write tokens (step_too_wide); seqs or a logit row outside the batch, or logit rows
 // not strictly ascending (bad_argument); a sequence or logit-row session that is no live session's
-// (unknown_session); a logit row naming another session than its token's (bad_argument); a
+// (BatchFault::unknown_session); a logit row naming another session than its token's (bad_argument); a
 // session with two runs of tokens, or a run holding two logit rows, i.e. two slices
-// (overlapping_input); a run not ending at a logit row, a run whose length is not the session's
+// (BatchFault::overlapping_input); a run not ending at a logit row, a run whose length is not the session's
 // next input (1 token generating; feeding, the slice next_step plans for it where the run begins:
 // first_slice(r, max_write - row of its first token, min_prefill_tokens); nothing done) or a
 // samples flag that disagrees with the session (bad_argument). Token values, which sessions the
@@ -135,15 +149,23 @@ Status check_runs(const Table& table, const StepBatch& batch, std::int32_t room)
 // width the batch was packed for (next_step(width); 0: max_write). Tables whose tokens are all
 // resolved (accept, not accept_pending).
 template <class Table>
-[[nodiscard]] Status check_batch(const Table& table, const batching::StepBatch& batch, std::int32_t width = 0) {
+[[nodiscard]] BatchVerdict check_batch(const Table& table, const batching::StepBatch& batch, std::int32_t width = 0) {
   const std::int32_t max_write = table.limits().max_write;
   if (width < 0 || width > max_write) return Errc::bad_argument;
   const std::int32_t room = width == 0 ? max_write : width;
   if (batch.tokens.empty()) return Errc::empty_step;
   if (batch.tokens.size() > static_cast<std::size_t>(room)) return Errc::step_too_wide;
   if (batch.seqs.size() != batch.tokens.size()) return Errc::bad_argument;
-  if (const Status s = detail::check_logit_rows(table, batch); !s.ok()) return s;
+  if (const BatchVerdict v = detail::check_logit_rows(table, batch); !v.ok()) return v;
   return detail::check_runs(table, batch, room);
 }
 
 }  // namespace cellkv::test
+
+template <>
+struct doctest::StringMaker<cellkv::test::BatchVerdict> {
+  static doctest::String convert(const cellkv::test::BatchVerdict& v) {
+    static constexpr const char* kFaults[] = {"", ": unknown session", ": overlapping input"};
+    return (std::string(cellkv::describe(v.code)) + kFaults[static_cast<int>(v.fault)]).c_str();
+  }
+};

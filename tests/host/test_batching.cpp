@@ -461,14 +461,14 @@ TEST_CASE("session table: ids are never reused while sequence ids are recycled")
   CHECK(table.add(Tokens{1}, 1).value() == 1);
   CHECK(table.add(Tokens{2}, 1).value() == 2);
   CHECK(table.free_sequences() == 0);
-  CHECK(table.add(Tokens{3}, 1).status() == Errc::too_many_sessions);
+  CHECK(table.add(Tokens{3}, 1).status() == SessionErrc::too_many_sessions);
   REQUIRE(table.finish(1).ok());
   CHECK(table.free_sequences() == 1);
   const SessionId c = table.add(Tokens{3}, 1).value();
   CHECK(c == 3);
   CHECK(table.sequence_of(c).value() == 0);
   REQUIRE(table.finish(c).ok());
-  CHECK(table.finish(c) == Errc::unknown_session);
+  CHECK(table.finish(c) == SessionStatus(Errc::bad_argument, SessionErrc::unknown_session, c));
   const SessionId d = table.clone(2, 1).value();
   CHECK(d == 4);
   CHECK(table.sequence_of(d).value() == 0);
@@ -476,7 +476,7 @@ TEST_CASE("session table: ids are never reused while sequence ids are recycled")
   CHECK_FALSE(table.is_live(1));
   CHECK_FALSE(table.is_live(3));
   CHECK_FALSE(table.is_live(0));
-  CHECK(table.sequence_of(1).status() == Errc::unknown_session);
+  CHECK(table.sequence_of(1).status() == SessionErrc::unknown_session);
 }
 
 TEST_CASE("session table: a clone shares its source's prompt cells") {
@@ -572,7 +572,7 @@ TEST_CASE("session table: finish and reap free sequences") {
   CHECK(table.live_count() == 0);
   CHECK(table.free_sequences() == 4);
   CHECK(cache.free_cells() == 64);
-  CHECK(table.output(a).status() == Errc::unknown_session);
+  CHECK(table.output(a).status() == SessionErrc::unknown_session);
 }
 
 TEST_CASE("session table: abandon restores the table and rewinds the cache") {
@@ -690,8 +690,10 @@ struct Busy {
   Busy& operator=(const Busy&) = delete;
 };
 
-void check_refused(const Busy& busy, const CellTable& table_before, const Cells& cache_before, Status got,
-                   Errc expected) {
+// `expected`: a core code (Errc) or a batching detail (SessionErrc).
+template <class Expected>
+void check_refused(const Busy& busy, const CellTable& table_before, const Cells& cache_before, SessionStatus got,
+                   Expected expected) {
   CHECK(got == expected);
   CHECK(busy.table == table_before);
   CHECK(busy.cache == cache_before);
@@ -711,20 +713,20 @@ TEST_CASE("session table: refusals change nothing") {
   SUBCASE("add") {
     check_refused(busy, table_before, cache_before, table.add(Tokens{}, 1).status(), Errc::bad_argument);
     check_refused(busy, table_before, cache_before, table.add(Tokens{1}, -1).status(), Errc::bad_argument);
-    check_refused(busy, table_before, cache_before, table.add(iota_tokens(0, 33), 0).status(), Errc::over_budget);
-    check_refused(busy, table_before, cache_before, table.add(iota_tokens(0, 30), 3).status(), Errc::over_budget);
-    check_refused(busy, table_before, cache_before, table.add(iota_tokens(0, 30), 2).status(), Errc::too_many_sessions);
+    check_refused(busy, table_before, cache_before, table.add(iota_tokens(0, 33), 0).status(), SessionErrc::over_budget);
+    check_refused(busy, table_before, cache_before, table.add(iota_tokens(0, 30), 3).status(), SessionErrc::over_budget);
+    check_refused(busy, table_before, cache_before, table.add(iota_tokens(0, 30), 2).status(), SessionErrc::too_many_sessions);
   }
   SUBCASE("clone") {
-    check_refused(busy, table_before, cache_before, table.clone(99, 1).status(), Errc::unknown_session);
-    check_refused(busy, table_before, cache_before, table.clone(0, 1).status(), Errc::unknown_session);
+    check_refused(busy, table_before, cache_before, table.clone(99, 1).status(), SessionErrc::unknown_session);
+    check_refused(busy, table_before, cache_before, table.clone(0, 1).status(), SessionErrc::unknown_session);
     check_refused(busy, table_before, cache_before, table.clone(busy.a, -1).status(), Errc::bad_argument);
-    check_refused(busy, table_before, cache_before, table.clone(busy.b, 25).status(), Errc::over_budget);
-    check_refused(busy, table_before, cache_before, table.clone(busy.b, 24).status(), Errc::too_many_sessions);
+    check_refused(busy, table_before, cache_before, table.clone(busy.b, 25).status(), SessionErrc::over_budget);
+    check_refused(busy, table_before, cache_before, table.clone(busy.b, 24).status(), SessionErrc::too_many_sessions);
   }
   SUBCASE("finish") {
-    check_refused(busy, table_before, cache_before, table.finish(0), Errc::unknown_session);
-    check_refused(busy, table_before, cache_before, table.finish(4), Errc::unknown_session);
+    check_refused(busy, table_before, cache_before, table.finish(0), SessionErrc::unknown_session);
+    check_refused(busy, table_before, cache_before, table.finish(4), SessionErrc::unknown_session);
   }
   SUBCASE("accept and abandon without a batch in flight") {
     check_refused(busy, table_before, cache_before, table.accept(Tokens{}), Errc::bad_argument);
@@ -758,13 +760,13 @@ TEST_CASE("session table: while a batch is in flight, verbs and a second step ar
   check_refused(busy, table_before, cache_before, table.add(Tokens{1}, 1).status(), Errc::bad_argument);
   check_refused(busy, table_before, cache_before, table.clone(busy.a, 1).status(), Errc::bad_argument);
   check_refused(busy, table_before, cache_before, table.finish(busy.a), Errc::bad_argument);
-  check_refused(busy, table_before, cache_before, table.finish(99), Errc::unknown_session);
+  check_refused(busy, table_before, cache_before, table.finish(99), SessionErrc::unknown_session);
   check_refused(busy, table_before, cache_before, table.next_step().status(), Errc::bad_argument);
   check_refused(busy, table_before, cache_before, table.accept(Tokens{}), Errc::bad_argument);
   check_refused(busy, table_before, cache_before, table.accept(Tokens{1}), Errc::bad_argument);
   check_refused(busy, table_before, cache_before, table.accept(Tokens{1, 2, 3}), Errc::bad_argument);
   CHECK(table.reap().empty());
-  check_refused(busy, table_before, cache_before, test::check_batch(table, r.batch), Errc::ok);
+  check_refused(busy, table_before, cache_before, test::check_batch(table, r.batch).code, Errc::ok);
 
   REQUIRE(table.accept(Tokens{52, 80}).ok());
   CHECK(to_tokens(table.output(busy.a).value()) == Tokens{50, 51, 52});
@@ -795,23 +797,23 @@ TEST_CASE("session table: check_batch refusals") {
   CHECK(variant([](StepBatch& v) { v.seqs.pop_back(); }) == Errc::bad_argument);
   CHECK(variant([](StepBatch& v) { v.logit_rows.back().row = 6; }) == Errc::bad_argument);
   CHECK(variant([](StepBatch& v) { std::swap(v.logit_rows[0], v.logit_rows[1]); }) == Errc::bad_argument);
-  CHECK(variant([](StepBatch& v) { v.seqs[0] = 5; }) == Errc::unknown_session);
-  CHECK(variant([](StepBatch& v) { v.logit_rows[0].session = 99; }) == Errc::unknown_session);
+  CHECK(variant([](StepBatch& v) { v.seqs[0] = 5; }) == test::BatchFault::unknown_session);
+  CHECK(variant([](StepBatch& v) { v.logit_rows[0].session = 99; }) == test::BatchFault::unknown_session);
   CHECK(variant([&](StepBatch& v) { v.logit_rows[0].session = b; }) == Errc::bad_argument);
   // b in two runs (a's token between them)
   CHECK(variant([&](StepBatch& v) {
           v.seqs = {1, 0, 1, 1, 2, 2};
           v.logit_rows = {{0, b, false}, {1, a, true}, {3, b, true}, {5, d, false}};
-        }) == Errc::overlapping_input);
+        }) == test::BatchFault::overlapping_input);
   // b as two slices in one run
   CHECK(variant([&](StepBatch& v) { v.logit_rows.insert(v.logit_rows.begin() + 1, LogitRow{1, b, false}); }) ==
-        Errc::overlapping_input);
+        test::BatchFault::overlapping_input);
   // a given two decode tokens
   CHECK(variant([&](StepBatch& v) {
           v.tokens.insert(v.tokens.begin(), 50);
           v.seqs.insert(v.seqs.begin(), 0);
           v.logit_rows = {{0, a, true}, {1, a, true}, {4, b, true}, {6, d, false}};
-        }) == Errc::overlapping_input);
+        }) == test::BatchFault::overlapping_input);
   CHECK(variant([&](StepBatch& v) {
           v.tokens.insert(v.tokens.begin(), 50);
           v.seqs.insert(v.seqs.begin(), 0);
@@ -954,8 +956,8 @@ class Simulation {
     const std::int32_t max_new = uniform(0, budget - static_cast<std::int32_t>(prompt.size()) + 3);
     const bool full = table_is_full();
     const auto got = table_.add(prompt, max_new);
-    if (static_cast<std::int32_t>(prompt.size()) + max_new > budget) return expect_refused(got.status(), Errc::over_budget);
-    if (full) return expect_refused(got.status(), Errc::too_many_sessions);
+    if (static_cast<std::int32_t>(prompt.size()) + max_new > budget) return expect_refused(got.status(), SessionErrc::over_budget);
+    if (full) return expect_refused(got.status(), SessionErrc::too_many_sessions);
     REQUIRE(got.ok());
     Model m;
     m.prompt = prompt;
@@ -971,8 +973,8 @@ class Simulation {
     const std::int32_t max_new = uniform(0, limits_.max_tokens_per_session - n + 3);
     const bool full = table_is_full();
     const auto got = table_.clone(src, max_new);
-    if (n + max_new > limits_.max_tokens_per_session) return expect_refused(got.status(), Errc::over_budget);
-    if (full) return expect_refused(got.status(), Errc::too_many_sessions);
+    if (n + max_new > limits_.max_tokens_per_session) return expect_refused(got.status(), SessionErrc::over_budget);
+    if (full) return expect_refused(got.status(), SessionErrc::too_many_sessions);
     REQUIRE(got.ok());
     Model m;
     m.prompt = from.prompt;
@@ -996,8 +998,8 @@ class Simulation {
     const std::int32_t free = cache_.max_seqs() - cache_.live_count();
     const auto seed = static_cast<std::uint64_t>(uniform(0, 1000));
     const auto got = table_.add_samples(prompt, max_new, {.temperature = 1.f, .seed = seed}, samples);
-    if (n + max_new > budget) return expect_refused(got.status(), Errc::over_budget);
-    if (free < samples) return expect_refused(got.status(), Errc::too_many_sessions);
+    if (n + max_new > budget) return expect_refused(got.status(), SessionErrc::over_budget);
+    if (free < samples) return expect_refused(got.status(), SessionErrc::too_many_sessions);
     REQUIRE(got.ok());
     REQUIRE(got.value().size() == static_cast<std::size_t>(samples));
     for (std::int32_t i = 0; i < samples; ++i) {
@@ -1057,7 +1059,8 @@ class Simulation {
     models_.emplace(id, std::move(m));
   }
 
-  void expect_refused(Status got, Errc expected) {
+  template <class Expected>  // a core code (Errc) or a batching detail (SessionErrc)
+  void expect_refused(SessionStatus got, Expected expected) {
     CHECK(got == expected);
     ++counts_.refused;
   }
@@ -1408,10 +1411,10 @@ TEST_CASE("session table: add refuses ids outside the vocabulary, bad sampling a
   refused(table.add(Tokens{1}, 3, {.min_p = -1.f}).status(), Errc::bad_argument, SessionErrc::bad_min_p);
   refused(table.add(Tokens{1}, 3, {.stop_tokens = {7, 50}}).status(), Errc::bad_argument, SessionErrc::bad_stop_token);
   // 64 cells: a prompt of 40 and 25 new tokens holds 64 tokens at most; 26 would need 65.
-  refused(table.add(iota_tokens(0, 40), 26).status(), Errc::over_budget, SessionErrc::exceeds_cache);
-  refused(table.clone(a, 63, {}).status(), Errc::over_budget, SessionErrc::exceeds_cache);
+  refused(table.add(iota_tokens(0, 40), 26).status(), Errc::bad_argument, SessionErrc::exceeds_cache);
+  refused(table.clone(a, 63, {}).status(), Errc::bad_argument, SessionErrc::exceeds_cache);
   refused(table.clone(a, 3, {.top_p = 3.f}).status(), Errc::bad_argument, SessionErrc::bad_top_p);
-  refused(table.add(Tokens(60, 1), 41).status(), Errc::over_budget, SessionErrc::none);  // the session budget
+  refused(table.add(Tokens(60, 1), 41).status(), Errc::bad_argument, SessionErrc::over_budget);  // the session budget
   CHECK(table.add(iota_tokens(0, 40), 25).ok());
   CHECK(table.add(Tokens{49}, 3, {.temperature = 0.5f, .top_k = 3, .top_p = 1.f, .min_p = 1.f, .stop_tokens = {0, 49}}).ok());
   const SessionId c = table.clone(a, 2).value();  // src's sampling
@@ -1852,8 +1855,8 @@ TEST_CASE("add_samples: refusals change nothing") {
   refused(table.add_samples(Tokens{1}, 2, {.top_p = 2.f}, 2).status(), Errc::bad_argument, SessionErrc::bad_top_p);
   refused(table.add_samples(Tokens{1}, 2, {.stop_tokens = {50}}, 2).status(), Errc::bad_argument,
           SessionErrc::bad_stop_token);
-  refused(table.add_samples(iota_tokens(0, 30), 3, {}, 2).status(), Errc::over_budget, SessionErrc::none);
-  refused(table.add_samples(iota_tokens(0, 40), 0, {}, 2).status(), Errc::over_budget, SessionErrc::none);
+  refused(table.add_samples(iota_tokens(0, 30), 3, {}, 2).status(), Errc::bad_argument, SessionErrc::over_budget);
+  refused(table.add_samples(iota_tokens(0, 40), 0, {}, 2).status(), Errc::bad_argument, SessionErrc::over_budget);
   // 64 cells: a prompt of 30 and 35 new tokens would hold 64 + 1 tokens.
   CellTable wide(cache, {.max_write = 8, .min_prefill_tokens = 2, .max_tokens_per_session = 100});
   const CellTable wide_before = wide;
@@ -1861,8 +1864,8 @@ TEST_CASE("add_samples: refusals change nothing") {
   CHECK(wide == wide_before);
   CHECK(cache == cache_before);
   // More samples than free sequences: refused before any sequence is made.
-  refused(table.add_samples(Tokens{1}, 2, {}, 4).status(), Errc::too_many_sessions, SessionErrc::none);
-  refused(table.add_samples(Tokens{1}, 2, {}, 400).status(), Errc::too_many_sessions, SessionErrc::none);
+  refused(table.add_samples(Tokens{1}, 2, {}, 4).status(), Errc::no_free_sequence, SessionErrc::too_many_sessions);
+  refused(table.add_samples(Tokens{1}, 2, {}, 400).status(), Errc::no_free_sequence, SessionErrc::too_many_sessions);
   CHECK(table.add_samples(Tokens{1}, 2, {}, 3).value() == Ids{2, 3, 4});
   CHECK(table.free_sequences() == 0);
 }

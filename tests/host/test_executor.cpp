@@ -169,7 +169,7 @@ TEST_CASE("host executor: impossible budgets and bad input are refused at add, c
     CHECK(cache == before);
     CHECK(exec.sessions() == table_before);
   };
-  refused(exec.sessions().add(prompt_of(90, 1), 8), Errc::over_budget, SessionErrc::exceeds_sequence);  // 97 > 96
+  refused(exec.sessions().add(prompt_of(90, 1), 8), Errc::bad_argument, SessionErrc::exceeds_sequence);  // 97 > 96
   CHECK(exec.sessions().add(prompt_of(90, 1), 7).ok());  // 96 tokens held at most: fits
   const Slots after_one = cache;
   const auto table_one = exec.sessions();
@@ -192,7 +192,7 @@ TEST_CASE("host executor: impossible budgets and bad input are refused at add, c
   refused_now(exec.sessions().add(prompt_of(5, 1), 4, {.stop_tokens = {kConfig.vocab}}), Errc::bad_argument,
               SessionErrc::bad_stop_token);
   const SessionId first = exec.sessions().sessions().front();
-  refused_now(exec.sessions().clone(first, 8), Errc::over_budget, SessionErrc::exceeds_sequence);
+  refused_now(exec.sessions().clone(first, 8), Errc::bad_argument, SessionErrc::exceeds_sequence);
   refused_now(exec.sessions().clone(first, 4, {.top_p = 2.f}), Errc::bad_argument, SessionErrc::bad_top_p);
   CHECK_THROWS_AS(Executor(model, cache, {.max_write = 24, .min_prefill_tokens = 2, .max_tokens_per_session = 96,
                                           .vocab = kConfig.vocab + 1}),

@@ -50,7 +50,7 @@ TEST_CASE("head_shard: shards partition the heads and every query head sits with
       for (std::int32_t shards = 1; shards <= 8; ++shards) {
         const std::int32_t heads_q = heads_kv * group;
         if (heads_kv % shards != 0) {
-          CHECK(head_shard(heads_q, heads_kv, shards, 0).status() == Errc::uneven_shards);
+          CHECK(head_shard(heads_q, heads_kv, shards, 0).status() == Errc::bad_shape);
           continue;
         }
         std::vector<int> q_owner(static_cast<std::size_t>(heads_q), -1), kv_owner(static_cast<std::size_t>(heads_kv), -1);
@@ -81,15 +81,15 @@ TEST_CASE("head_shard and even_part refuse what does not split") {
   CHECK(head_shard(8, 4, 0, 0).status() == Errc::bad_argument);   // no shards
   CHECK(head_shard(8, 4, 2, 2).status() == Errc::bad_argument);   // g past the last shard
   CHECK(head_shard(8, 4, 2, -1).status() == Errc::bad_argument);  // negative g
-  CHECK(head_shard(8, 4, 3, 0).status() == Errc::uneven_shards);  // 4 KV heads over 3
+  CHECK(head_shard(8, 4, 3, 0).status() == Errc::bad_shape);  // 4 KV heads over 3
   CHECK(head_shard(6, 4, 2, 0).status() == Errc::bad_head_ratio); // H_q not a multiple of H_kv
   CHECK(head_shard(8, 0, 2, 0).status() == Errc::bad_head_ratio);
-  CHECK(even_part(10, 4, 0).status() == Errc::uneven_shards);
+  CHECK(even_part(10, 4, 0).status() == Errc::bad_shape);
   CHECK(even_part(0, 1, 0).status() == Errc::bad_argument);
   CHECK(even_part(12, 4, 3).value() == ShardRange{9, 3});
   llama::Config c;
   c.ffn = 250;  // 250 hidden columns over 4 shards
-  CHECK(llama::shard_plan(c, 4, 0).status() == Errc::uneven_shards);
+  CHECK(llama::shard_plan(c, 4, 0).status() == Errc::bad_shape);
   CHECK(llama::shard_plan(c, 2, 1).ok());
 }
 

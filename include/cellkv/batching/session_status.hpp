@@ -7,9 +7,10 @@
 //   id.status().message();  // "bad argument: ...: temperature must be finite and >= 0"
 //
 // The details live here, apart from cellkv::Errc (the cache's codes), each under one core code:
-// bad_argument for bad input to add, add_samples and clone, over_budget for budgets no cache could
-// serve, and the cache's own code (out_of_cells, sequence_full) for a step refused at placement,
-// naming the session whose tokens did not fit. A SessionStatus converts to cellkv::Status (the
+// bad_argument for bad input to add, add_samples, clone and the queries (an unknown session, a
+// budget no cache could serve), no_free_sequence when every sequence of the cache holds a session,
+// and the cache's own code (out_of_cells, sequence_full) for a step refused at placement, naming the
+// session whose tokens did not fit. A SessionStatus converts to cellkv::Status (the
 // core reason alone) and compares equal to its core code and to its detail.
 #pragma once
 
@@ -27,6 +28,9 @@ using SessionId = std::uint64_t;
 
 enum class SessionErrc : std::uint8_t {
   none = 0,
+  unknown_session,     // bad_argument: no live session has this id
+  too_many_sessions,   // no_free_sequence: every sequence of the cache holds a session
+  over_budget,         // bad_argument: prompt + max_new_tokens pass max_tokens_per_session
   token_out_of_vocab,  // bad_argument: a prompt token id outside [0, vocab)
   bad_temperature,     // bad_argument: temperature negative or not finite
   bad_top_k,           // bad_argument: top_k < 0
@@ -34,14 +38,17 @@ enum class SessionErrc : std::uint8_t {
   bad_min_p,           // bad_argument: min_p outside [0, 1]
   bad_stop_token,      // bad_argument: a stop token id outside [0, vocab)
   bad_sample_count,    // bad_argument: add_samples asked for fewer than one sample
-  exceeds_sequence,    // over_budget: prompt + max_new_tokens - 1 tokens pass the layout's max_len
-  exceeds_cache,       // over_budget: prompt + max_new_tokens - 1 tokens pass the cache's capacity
+  exceeds_sequence,    // bad_argument: prompt + max_new_tokens - 1 tokens pass the layout's max_len
+  exceeds_cache,       // bad_argument: prompt + max_new_tokens - 1 tokens pass the cache's capacity
   no_room,             // the cache's code: the session's tokens of the step do not fit now
 };
 
 [[nodiscard]] constexpr std::string_view describe(SessionErrc e) noexcept {
   switch (e) {
     case SessionErrc::none: return "";
+    case SessionErrc::unknown_session: return "no live session has this id";
+    case SessionErrc::too_many_sessions: return "every sequence of the cache holds a session";
+    case SessionErrc::over_budget: return "prompt + max_new_tokens would pass max_tokens_per_session";
     case SessionErrc::token_out_of_vocab: return "a prompt token id is outside [0, vocab)";
     case SessionErrc::bad_temperature: return "temperature must be finite and >= 0";
     case SessionErrc::bad_top_k: return "top_k must be >= 0";

@@ -217,10 +217,11 @@ class SessionTable {
   // says (greedy by default). Refuses, in this order: an empty prompt, max_new_tokens < 0 or an
   // open batch (bad_argument); a prompt token id outside [0, vocab) (bad_argument,
   // token_out_of_vocab); bad sampling parameters (bad_argument, check_sampling's detail);
-  // prompt.size() + max_new_tokens > max_tokens_per_session (over_budget); a session the cache can
-  // never hold, prompt.size() + max_new_tokens - 1 tokens past max_len (sequence layout) or the
-  // capacity (cell layout) (over_budget, exceeds_sequence / exceeds_cache); no free cache sequence
-  // (too_many_sessions; any other refusal of cache.seq_new is passed on).
+  // prompt.size() + max_new_tokens > max_tokens_per_session (bad_argument, over_budget); a session
+  // the cache can never hold, prompt.size() + max_new_tokens - 1 tokens past max_len (sequence
+  // layout) or the capacity (cell layout) (bad_argument, exceeds_sequence / exceeds_cache); no free
+  // cache sequence (no_free_sequence, too_many_sessions; any other refusal of cache.seq_new is
+  // passed on).
   SessionResult<SessionId> add(std::span<const std::int32_t> prompt, std::int32_t max_new_tokens,
                                SamplingParams sampling = {}) {
     if (const SessionStatus s = check_new(prompt, max_new_tokens, sampling); !s.ok()) return s;
@@ -239,7 +240,7 @@ class SessionTable {
   // the others wait for its prompt cells (see "Samples" above), each in a cache sequence reserved
   // now. samples == 1 is add. Refuses, in this order: samples < 1 (bad_argument,
   // bad_sample_count); what add refuses, in add's order; fewer than `samples` free cache sequences
-  // (too_many_sessions). Needs a cache that reports max_seqs() and live_count() (itself or its
+  // (no_free_sequence, too_many_sessions). Needs a cache that reports max_seqs() and live_count() (itself or its
   // host()), so that it refuses before it creates any sequence.
   SessionResult<std::vector<SessionId>> add_samples(std::span<const std::int32_t> prompt, std::int32_t max_new_tokens,
                                                     const SamplingParams& sampling, std::int32_t samples)
@@ -250,7 +251,7 @@ class SessionTable {
   {
     if (samples < 1) return SessionStatus(Errc::bad_argument, SessionErrc::bad_sample_count);
     if (const SessionStatus s = check_new(prompt, max_new_tokens, sampling); !s.ok()) return s;
-    if (free_sequences() < samples) return Errc::too_many_sessions;
+    if (free_sequences() < samples) return SessionStatus(Errc::no_free_sequence, SessionErrc::too_many_sessions);
     const auto n = static_cast<std::size_t>(samples);
     std::vector<Session> made;
     made.reserve(n);
@@ -283,17 +284,17 @@ class SessionTable {
   // not given), sharing src's cache positions < shared = min(prompt tokens src has fed,
   // prompt.size() - 1) through cache.seq_clone(src_seq, shared). The clone feeds the rest of the
   // prompt itself (at least the last prompt token, whose logits give its own first token), then
-  // generates independently. Refuses, in this order: unknown src (unknown_session), max_new_tokens
-  // < 0 or an open batch (bad_argument), bad sampling parameters, over_budget (both kinds, as
-  // add), too_many_sessions (as add).
+  // generates independently. Refuses, in this order: unknown src (bad_argument, unknown_session),
+  // max_new_tokens < 0 or an open batch (bad_argument), bad sampling parameters, budgets as add,
+  // too_many_sessions (as add).
   SessionResult<SessionId> clone(SessionId src, std::int32_t max_new_tokens) {
     const Session* from = find(src);
-    if (from == nullptr) return Errc::unknown_session;
+    if (from == nullptr) return unknown(src);
     return clone(src, max_new_tokens, from->sampling);
   }
   SessionResult<SessionId> clone(SessionId src, std::int32_t max_new_tokens, SamplingParams sampling) {
     const Session* from = find(src);
-    if (from == nullptr) return Errc::unknown_session;
+    if (from == nullptr) return unknown(src);
     if (max_new_tokens < 0 || batch_open()) return Errc::bad_argument;
     if (const SessionErrc e = check_sampling(sampling, limits_.vocab); e != SessionErrc::none)
       return SessionStatus(Errc::bad_argument, e);
@@ -310,11 +311,11 @@ class SessionTable {
   // Ends a live session in any state: removes its cache sequence and drops it from the table (its
   // tokens still on their way are dropped when they are resolved). A leader whose samples still
   // wait hands them on: the oldest of them stops waiting and feeds the prompt itself, in its
-  // reserved sequence, and the others wait for it. Refuses: unknown_session; an open batch
-  // (bad_argument); a refusal of cache.seq_rm.
-  Status finish(SessionId id) {
+  // reserved sequence, and the others wait for it. Refuses: an unknown id (bad_argument,
+  // unknown_session); an open batch (bad_argument); a refusal of cache.seq_rm.
+  SessionStatus finish(SessionId id) {
     const auto it = locate(id);
-    if (it == sessions_.end()) return Errc::unknown_session;
+    if (it == sessions_.end()) return unknown(id);
     if (batch_open()) return Errc::bad_argument;
     if (const Status s = cache_->seq_rm(it->seq); !s.ok()) return s;
     detach(*it);
@@ -506,59 +507,60 @@ class SessionTable {
   }
 
   // ---- queries ----
+  // Each refuses an id that is no live session's with (bad_argument, unknown_session).
 
   [[nodiscard]] bool is_live(SessionId id) const noexcept { return find(id) != nullptr; }
-  [[nodiscard]] Result<SessionState> state(SessionId id) const {
+  [[nodiscard]] SessionResult<SessionState> state(SessionId id) const {
     const Session* s = find(id);
-    if (s == nullptr) return Errc::unknown_session;
+    if (s == nullptr) return unknown(id);
     return state_of(*s);
   }
   // Tokens generated so far and resolved; the span is valid until the next accept, resolve,
   // finish or reap.
-  [[nodiscard]] Result<std::span<const std::int32_t>> output(SessionId id) const {
+  [[nodiscard]] SessionResult<std::span<const std::int32_t>> output(SessionId id) const {
     const Session* s = find(id);
-    if (s == nullptr) return Errc::unknown_session;
+    if (s == nullptr) return unknown(id);
     return std::span<const std::int32_t>(s->output).first(static_cast<std::size_t>(s->resolved));
   }
   // The log-probabilities of output(id), when its sampling asked for them (else empty).
-  [[nodiscard]] Result<std::span<const float>> logprobs(SessionId id) const {
+  [[nodiscard]] SessionResult<std::span<const float>> logprobs(SessionId id) const {
     const Session* s = find(id);
-    if (s == nullptr) return Errc::unknown_session;
+    if (s == nullptr) return unknown(id);
     if (!s->sampling.logprobs) return std::span<const float>();
     return std::span<const float>(s->logprobs).first(static_cast<std::size_t>(s->resolved));
   }
-  [[nodiscard]] Result<std::span<const std::int32_t>> prompt(SessionId id) const {
+  [[nodiscard]] SessionResult<std::span<const std::int32_t>> prompt(SessionId id) const {
     const Session* s = find(id);
-    if (s == nullptr) return Errc::unknown_session;
+    if (s == nullptr) return unknown(id);
     return std::span<const std::int32_t>(s->prompt);
   }
-  [[nodiscard]] Result<std::int32_t> max_new_tokens(SessionId id) const {
+  [[nodiscard]] SessionResult<std::int32_t> max_new_tokens(SessionId id) const {
     const Session* s = find(id);
-    if (s == nullptr) return Errc::unknown_session;
+    if (s == nullptr) return unknown(id);
     return s->max_new;
   }
-  [[nodiscard]] Result<SamplingParams> sampling(SessionId id) const {
+  [[nodiscard]] SessionResult<SamplingParams> sampling(SessionId id) const {
     const Session* s = find(id);
-    if (s == nullptr) return Errc::unknown_session;
+    if (s == nullptr) return unknown(id);
     return s->sampling;
   }
-  [[nodiscard]] Result<std::int32_t> sequence_of(SessionId id) const {
+  [[nodiscard]] SessionResult<std::int32_t> sequence_of(SessionId id) const {
     const Session* s = find(id);
-    if (s == nullptr) return Errc::unknown_session;
+    if (s == nullptr) return unknown(id);
     return s->seq;
   }
   // Tokens the session's cache sequence holds between steps (shared prefix included): what
   // cache.pos(sequence_of(id)) is outside a step.
-  [[nodiscard]] Result<std::int32_t> cached_tokens(SessionId id) const {
+  [[nodiscard]] SessionResult<std::int32_t> cached_tokens(SessionId id) const {
     const Session* s = find(id);
-    if (s == nullptr) return Errc::unknown_session;
+    if (s == nullptr) return unknown(id);
     return cached(*s);
   }
   // The leader whose prompt cells a waiting sample will share (add_samples); 0 when the session
   // does not wait (a leader, a sample that has its cells, any other session).
-  [[nodiscard]] Result<SessionId> leader_of(SessionId id) const {
+  [[nodiscard]] SessionResult<SessionId> leader_of(SessionId id) const {
     const Session* s = find(id);
-    if (s == nullptr) return Errc::unknown_session;
+    if (s == nullptr) return unknown(id);
     return s->leader;
   }
   // The live session holding cache sequence `seq`, or 0.
@@ -707,19 +709,23 @@ class SessionTable {
       return SessionStatus(Errc::bad_argument, e);
     return check_budget(prompt.size(), max_new_tokens);
   }
-  // over_budget: past max_tokens_per_session, or more tokens than one sequence of the cache holds.
+  // Budgets: past max_tokens_per_session, or more tokens than one sequence of the cache holds.
   [[nodiscard]] SessionStatus check_budget(std::size_t prompt_tokens, std::int32_t max_new_tokens) const {
     const auto budget = static_cast<std::size_t>(limits_.max_tokens_per_session);
     if (prompt_tokens > budget || static_cast<std::size_t>(max_new_tokens) > budget - prompt_tokens)
-      return Errc::over_budget;
+      return SessionStatus(Errc::bad_argument, SessionErrc::over_budget);
     const detail::SequenceRoom room = detail::sequence_room(*cache_);
     const auto held = static_cast<std::int64_t>(prompt_tokens) + std::max(0, max_new_tokens - 1);
-    if (held > room.tokens) return SessionStatus(Errc::over_budget, room.detail);
+    if (held > room.tokens) return SessionStatus(Errc::bad_argument, room.detail);
     return {};
   }
-  // The table's reason for a refused cache verb: no_free_sequence becomes too_many_sessions.
-  [[nodiscard]] static Errc cache_refusal(Status s) noexcept {
-    return s == Errc::no_free_sequence ? Errc::too_many_sessions : s.code();
+  // The table's reason for a refused cache verb: no_free_sequence gains the detail too_many_sessions.
+  [[nodiscard]] static SessionStatus cache_refusal(Status s) noexcept {
+    if (s == Errc::no_free_sequence) return {Errc::no_free_sequence, SessionErrc::too_many_sessions};
+    return s;
+  }
+  [[nodiscard]] static SessionStatus unknown(SessionId id) noexcept {
+    return {Errc::bad_argument, SessionErrc::unknown_session, id};
   }
   [[nodiscard]] Status check_sampled(std::span<const std::int32_t> sampled, std::span<const float> logprobs) const {
     if (!logprobs.empty() && logprobs.size() != sampled.size()) return Errc::bad_argument;

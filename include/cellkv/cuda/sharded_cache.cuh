@@ -100,7 +100,7 @@ class ShardedCache : public PlanningVerbs<CellCache<L, W, P, MaxSeqs>, ShardedCa
 
   // The device bytes each shard of a cache of `model`'s heads split over `shards` devices allocates
   // (shards split the heads evenly, so every shard has the same footprint; footprint.hpp).
-  // uneven_shards when the heads do not split.
+  // bad_shape when the heads do not split.
   static Result<Footprint> shard_footprint(const CacheConfig& config, const PoolShape& model, std::int32_t shards,
                                            Masks masks = Masks::if_needed) {
     const Result<HeadShard> heads = head_shard(model.heads_q, model.heads_kv, shards, 0);
