@@ -229,13 +229,14 @@ TEST_CASE("value() of a refused session result throws, naming the reason and the
   const std::vector<std::int32_t> prompt{1, 2, 3};
   REQUIRE(table.add(prompt, 2).ok());
   const auto refused = table.add(prompt, 2);  // the only cache sequence is taken
-  REQUIRE(refused.status() == Errc::too_many_sessions);
+  REQUIRE(refused.status() == Errc::no_free_sequence);
+  REQUIRE(refused.status() == batching::SessionErrc::too_many_sessions);
   CHECK_THROWS_AS((void)refused.value(), BadResultAccess);
   try {
     (void)refused.value();
     FAIL("value() returned");
   } catch (const batching::BadSessionResultAccess& e) {
-    CHECK(e.code() == Errc::too_many_sessions);
+    CHECK(e.code() == Errc::no_free_sequence);
     CHECK(e.status() == refused.status());
     CHECK(std::string(e.what()).find("SessionResult::value()") != std::string::npos);
   }
