@@ -38,6 +38,7 @@ enum class Errc : std::uint8_t {
   // sizes and device faults
   size_overflow,       // a configuration's sizes overflow what cellkv can index or count (size_t, int32)
   bad_device_row,      // a device write met a row outside the pool (its data went to the scratch row)
+  out_of_memory,       // a configuration needs more host memory than the budget it was checked against
 };
 
 [[nodiscard]] constexpr std::string_view describe(Errc e) noexcept {
@@ -63,6 +64,7 @@ enum class Errc : std::uint8_t {
     case Errc::size_overflow: return "size overflow: the configuration's sizes overflow size_t or int32";
     case Errc::bad_device_row:
       return "bad device row: a device write met a row outside the pool; the write went to the scratch row";
+    case Errc::out_of_memory: return "out of memory: the configuration needs more host memory than the budget";
   }
   return "unknown status";
 }

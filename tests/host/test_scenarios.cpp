@@ -287,8 +287,8 @@ TEST_CASE("sequence layout: prefill, decode and a second sequence") {
   CHECK(cache.step().read_len == 12);
   CHECK(visible_rows(cache, 0, 0) == Rows{0, 1, 2, 3});
   CHECK(visible_rows(cache, 0, 2) == Rows{10, 11});
-  CHECK(cache.visible_range(0, 0) == RowRange{0, 4});
-  CHECK(cache.visible_range(0, 2) == RowRange{2, 4});
+  CHECK(cache.visible_range(0, 0).value() == RowRange{0, 4});
+  CHECK(cache.visible_range(0, 2).value() == RowRange{2, 4});
   CHECK(cache.free_cells() == 40 - 6);
 }
 

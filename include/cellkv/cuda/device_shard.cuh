@@ -314,7 +314,7 @@ class DeviceShard {
         counts_[static_cast<std::size_t>(b)] = WorkCounts{work.decode_count(), work.prefill_count(), shared_items};
       } else if constexpr (!kTable) {
         auto* ranges = reinterpret_cast<RowRange*>(block + lay.ranges) + b * host_.max_write();
-        for (std::int32_t t = 0; t < width; ++t) ranges[t] = t < plan.tokens ? host_.visible_range(t, window) : RowRange{};
+        for (std::int32_t t = 0; t < width; ++t) ranges[t] = t < plan.tokens ? host_.visible_range(t, window).value_or(RowRange{}) : RowRange{};
       }
     }
   }

@@ -33,7 +33,8 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   using PlacementPolicy = P;
   using typename Base::Owners;
 
-  // Throws std::invalid_argument when validate(config) refuses it.
+  // Throws std::invalid_argument when validate(config) refuses it, std::bad_alloc when host memory
+  // runs out (fits_within(config, budget) checks that first).
   explicit CellCache(const CacheConfig& config) : Base(config), placement_(this->config().max_cells) {
     const std::int32_t n = this->config().max_cells;
     cell_pos_.assign(static_cast<std::size_t>(n), -1);
@@ -68,11 +69,19 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   friend bool operator==(const CellCache&, const CellCache&) = default;
 
  private:
-  // max_cells >= 1, and the position table's flat array indexable by int32.
+  // max_cells >= 1 (bad_argument), and the position table's flat array indexable by int32
+  // (size_overflow). `c` has max_seqs filled in.
   static Status validate_rows(const CacheConfig& c) {
-    const std::int32_t seqs = c.max_seqs == 0 ? MaxSeqs : c.max_seqs;
-    const bool ok = c.max_cells >= 1 && PositionTable::flat_size(seqs, c.max_cells) < (std::int64_t{1} << 31);
-    return ok ? Status{} : Status{Errc::bad_argument};
+    if (c.max_cells < 1) return Errc::bad_argument;
+    return PositionTable::flat_size(c.max_seqs, c.max_cells) <= detail::kInt32Max ? Status{} : Status{Errc::size_overflow};
+  }
+  // Per cell: position, owners, two bitmap bits; the position table at its fullest; the placement's
+  // own state (placement_host_bytes). `c` passed validate_rows.
+  static std::size_t layout_host_bytes(const CacheConfig& c) {
+    const auto n = static_cast<std::size_t>(c.max_cells);
+    return n * (sizeof(std::int32_t) + sizeof(Owners)) + 2 * detail::Bitmap::bytes(c.max_cells) +
+           static_cast<std::size_t>(PositionTable::host_bytes(c.max_seqs, c.max_cells)) +
+           placement_host_bytes<P>(c.max_cells);
   }
 
   // ---- hooks for CacheCommon ----
