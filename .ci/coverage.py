@@ -4,7 +4,7 @@
     python3 .ci/coverage.py BUILD_DIR MIN_PERCENT OUT_LOG
 
 Runs gcovr over the plain C++ headers of the library (include/cellkv/*.hpp, detail/, and the
-batching .hpp headers; not include/cellkv/cuda/, not .cuh), prints the per-file table and the
+batching .hpp headers; not include/cellkv/gpu/, not .cuh), prints the per-file table and the
 total, and writes OUT_LOG: one meson-testlog-style JSON line, result OK when the total is at least
 MIN_PERCENT, so .ci/summarize.py counts it as one test passed or failed.
 """

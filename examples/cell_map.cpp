@@ -14,7 +14,7 @@ namespace {
 
 // Two layers use the full causal history, one a sliding window of 3 positions.
 using Model = cellkv::Windows<0, 3, 0>;
-using Cache = cellkv::CellCache<cellkv::layout::cell, Model, cellkv::placement::lowest_free, 8>;
+using Cache = cellkv::CellCache<Model, cellkv::placement::lowest_free, 8>;
 
 constexpr std::int32_t kCells = 24;
 

@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "op_driver.hpp"
 
 namespace {
@@ -170,52 +170,52 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   switch (type) {
     case 0:
       c.max_cells = n;
-      drive<CellCache<layout::cell, Windows<0, 3>, placement::lowest_free, 8>>(c, bytes);
+      drive<CellCache<Windows<0, 3>, placement::lowest_free, 8>>(c, bytes);
       break;
     case 1:
       c.max_cells = 2 * n;
-      drive<CellCache<layout::cell, Windows<5, 0, 2>, placement::clustered<4>, 8>>(c, bytes);
+      drive<CellCache<Windows<5, 0, 2>, placement::clustered<4>, 8>>(c, bytes);
       break;
     case 2:
       c.max_cells = 2 * n;
       if (c.max_seqs == 0) c.max_seqs = 8;
-      drive<CellCache<layout::cell, Windows<0>, placement::clustered<8>, 256>>(c, bytes);
+      drive<CellCache<Windows<0>, placement::clustered<8>, 256>>(c, bytes);
       break;
     case 3:
       c.max_len = n;
-      drive<CellCache<layout::sequence, Windows<0, 3>, placement::lowest_free, 8>>(c, bytes);
+      drive<SequenceCache<Windows<0, 3>, 8>>(c, bytes);
       break;
     case 4:
       c.max_len = 1 + n / 4;  // 1..9, with all 70 ids: many slots
       c.max_seqs = 0;
-      drive<CellCache<layout::sequence, Windows<5, 0, 2>, placement::lowest_free, 70>>(c, bytes);
+      drive<SequenceCache<Windows<5, 0, 2>, 70>>(c, bytes);
       break;
     case 5:
       c.max_cells = 64 + 4 * n;  // 68..192: more than one bitmap word
       c.max_write = 1 + (sizes & 31);
-      drive<CellCache<layout::cell, Windows<0, 2>, placement::lowest_free, 70>>(c, bytes);
+      drive<CellCache<Windows<0, 2>, placement::lowest_free, 70>>(c, bytes);
       break;
     case 6:
       c.max_cells = 64 + 4 * n;
       c.max_write = 1 + (sizes & 31);
-      drive<CellCache<layout::cell, Windows<3, 0>, placement::clustered<4>, 64>>(c, bytes);
+      drive<CellCache<Windows<3, 0>, placement::clustered<4>, 64>>(c, bytes);
       break;
     case 7:  // past 4096 cells (the bitmap's second summary word), lowest free: filled by warm-up
       c.max_cells = 4096 + 32 * n;  // 4128..5120
       c.max_write = 64 * (1 + (sizes & 3));
       c.max_seqs = 0;
-      drive<CellCache<layout::cell, Windows<0, 7>, placement::lowest_free, 40>>(c, bytes, warm ? 40 : 0, 4200);
+      drive<CellCache<Windows<0, 7>, placement::lowest_free, 40>>(c, bytes, warm ? 40 : 0, 4200);
       break;
     case 8:  // clustered<64>: each new sequence opens its own block, so 70 sequences reach row 4416
       c.max_cells = 64 * 72 + n;
       c.max_write = 72;
       c.max_seqs = 0;
-      drive<CellCache<layout::cell, Windows<0, 5>, placement::clustered<64>, 72>>(c, bytes, warm ? 70 : 0, 4100);
+      drive<CellCache<Windows<0, 5>, placement::clustered<64>, 72>>(c, bytes, warm ? 70 : 0, 4100);
       break;
     case 9:  // sequence slots past row 4096
       c.max_len = 600 + 16 * n;  // 616..1112: slot 7 starts past 4096
       c.max_seqs = 0;
-      drive<CellCache<layout::sequence, Windows<0, 9>, placement::lowest_free, 8>>(c, bytes, warm ? 8 : 0, 4100);
+      drive<SequenceCache<Windows<0, 9>, 8>>(c, bytes, warm ? 8 : 0, 4100);
       break;
     default: {  // kExtremes: every size from the int32 edges
       const auto edge = [&] { return kEdges[bytes.below(kEdges.size())]; };
@@ -223,10 +223,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       c.max_seqs = edge();
       if ((sizes & 1) == 0) {
         c.max_cells = edge();
-        drive_extreme<CellCache<layout::cell, Windows<0, 3>, placement::lowest_free, 8>>(c, bytes);
+        drive_extreme<CellCache<Windows<0, 3>, placement::lowest_free, 8>>(c, bytes);
       } else {
         c.max_len = edge();
-        drive_extreme<CellCache<layout::sequence, Windows<0, 3>, placement::lowest_free, 8>>(c, bytes);
+        drive_extreme<SequenceCache<Windows<0, 3>, 8>>(c, bytes);
       }
       break;
     }

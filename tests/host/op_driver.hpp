@@ -36,7 +36,7 @@
 #include <vector>
 
 #include "after_last_placement.hpp"
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "oracle.hpp"
 
 namespace cellkv::test {

@@ -10,7 +10,7 @@
 
 #include <string>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 
 // Failed checks print a Status by its name.
 template <>

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "cellkv/batching/session_table.hpp"
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/reference.hpp"
 #include "support.hpp"
 
@@ -19,9 +19,9 @@ namespace {
 
 using namespace cellkv;
 using W = Windows<0, 3>;
-using Cells = CellCache<layout::cell, W, placement::lowest_free, 8>;
-using Clustered = CellCache<layout::cell, W, placement::clustered<4>, 8>;
-using Slots = CellCache<layout::sequence, W, placement::lowest_free, 8>;
+using Cells = CellCache<W, placement::lowest_free, 8>;
+using Clustered = CellCache<W, placement::clustered<4>, 8>;
+using Slots = SequenceCache<W, 8>;
 
 constexpr std::int32_t kMin = std::numeric_limits<std::int32_t>::min();
 constexpr std::int32_t kMax = std::numeric_limits<std::int32_t>::max();
@@ -223,7 +223,7 @@ TEST_CASE("host_bytes reports what a configuration holds; fits_within refuses wh
 }
 
 TEST_CASE("value() of a refused session result throws, naming the reason and the session") {
-  using Cache = CellCache<layout::cell, Windows<0>, placement::lowest_free, 4>;
+  using Cache = CellCache<Windows<0>, placement::lowest_free, 4>;
   Cache cache({.max_write = 4, .max_cells = 32, .max_seqs = 1});
   batching::SessionTable table(cache, {.max_write = 4, .max_tokens_per_session = 16, .vocab = 10});
   const std::vector<std::int32_t> prompt{1, 2, 3};

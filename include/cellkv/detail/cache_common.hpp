@@ -38,7 +38,7 @@ inline constexpr std::int64_t kInt32Max = 2147483647;
 template <class Derived, WindowSet W, std::int32_t MaxSeqs>
 class CacheCommon {
   static_assert(MaxSeqs >= 1 && MaxSeqs <= kMaxSeqsLimit,
-                "cellkv::CellCache<..., MaxSeqs>: MaxSeqs must lie in [1, 65536]");
+                "cellkv::KVCache<..., MaxSeqs>: MaxSeqs must lie in [1, 65536]");
 
  public:
   using Windows = W;
@@ -220,7 +220,7 @@ class CacheCommon {
  protected:
   explicit CacheCommon(CacheConfig config) : config_(normalized(config)) {
     if (const Status s = validate(config_); !s.ok())
-      throw std::invalid_argument("cellkv::CellCache: invalid CacheConfig (" + std::string(s.message()) + ")");
+      throw std::invalid_argument("cellkv::KVCache: invalid CacheConfig (" + std::string(s.message()) + ")");
     const auto w = static_cast<std::size_t>(config_.max_write);
     step_rows_.assign(w, 0);
     step_seqs_.assign(w, 0);

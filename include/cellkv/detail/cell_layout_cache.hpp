@@ -1,4 +1,4 @@
-// cellkv/detail/cell_layout_cache.hpp - CellCache for layout::cell (include cellkv/cell_cache.hpp).
+// cellkv/detail/cell_layout_cache.hpp - KVCache for layout::cell (include cellkv/kv_cache.hpp).
 //
 // Per cell: pos (int32, -1 = free) and owners (SeqSet). Per sequence: the cell of each position, in
 // a PositionTable (pages of positions shared between forks; the device keeps a copy of it, which
@@ -15,7 +15,7 @@
 #include <span>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/detail/bitmap.hpp"
 #include "cellkv/detail/cache_common.hpp"
 #include "cellkv/position_table.hpp"
@@ -23,9 +23,9 @@
 namespace cellkv {
 
 template <WindowSet W, Placement P, std::int32_t MaxSeqs>
-class CellCache<layout::cell, W, P, MaxSeqs>
-    : public detail::CacheCommon<CellCache<layout::cell, W, P, MaxSeqs>, W, MaxSeqs> {
-  using Base = detail::CacheCommon<CellCache, W, MaxSeqs>;
+class KVCache<layout::cell, W, P, MaxSeqs>
+    : public detail::CacheCommon<KVCache<layout::cell, W, P, MaxSeqs>, W, MaxSeqs> {
+  using Base = detail::CacheCommon<KVCache, W, MaxSeqs>;
   friend Base;
 
  public:
@@ -35,7 +35,7 @@ class CellCache<layout::cell, W, P, MaxSeqs>
 
   // Throws std::invalid_argument when validate(config) refuses it, std::bad_alloc when host memory
   // runs out (fits_within(config, budget) checks that first).
-  explicit CellCache(const CacheConfig& config) : Base(config), placement_(this->config().max_cells) {
+  explicit KVCache(const CacheConfig& config) : Base(config), placement_(this->config().max_cells) {
     const std::int32_t n = this->config().max_cells;
     cell_pos_.assign(static_cast<std::size_t>(n), -1);
     owners_.assign(static_cast<std::size_t>(n), Owners{});
@@ -66,7 +66,7 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   [[nodiscard]] PendingChanges pending_changes() const noexcept { return {{}, {table_.changed(), table_.flat()}}; }
   void acknowledge_changes() noexcept { table_.acknowledge(); }
 
-  friend bool operator==(const CellCache&, const CellCache&) = default;
+  friend bool operator==(const KVCache&, const KVCache&) = default;
 
  private:
   // max_cells >= 1 (bad_argument), and the position table's flat array indexable by int32

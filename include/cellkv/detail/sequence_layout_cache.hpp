@@ -1,4 +1,4 @@
-// cellkv/detail/sequence_layout_cache.hpp - CellCache for layout::sequence (include cellkv/cell_cache.hpp).
+// cellkv/detail/sequence_layout_cache.hpp - KVCache for layout::sequence (include cellkv/kv_cache.hpp).
 //
 // Sequence s owns slot s: rows [s * max_len, (s + 1) * max_len); position p lives at row
 // s * max_len + p. No per-row metadata is needed: a row is occupied iff its position is below its
@@ -10,16 +10,16 @@
 #include <span>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/detail/cache_common.hpp"
 
 namespace cellkv {
 
 // P is placement::none (the default); a cell placement named here is ignored (layout.hpp).
 template <WindowSet W, PlacementFor<layout::sequence> P, std::int32_t MaxSeqs>
-class CellCache<layout::sequence, W, P, MaxSeqs>
-    : public detail::CacheCommon<CellCache<layout::sequence, W, P, MaxSeqs>, W, MaxSeqs> {
-  using Base = detail::CacheCommon<CellCache, W, MaxSeqs>;
+class KVCache<layout::sequence, W, P, MaxSeqs>
+    : public detail::CacheCommon<KVCache<layout::sequence, W, P, MaxSeqs>, W, MaxSeqs> {
+  using Base = detail::CacheCommon<KVCache, W, MaxSeqs>;
   friend Base;
 
  public:
@@ -28,7 +28,7 @@ class CellCache<layout::sequence, W, P, MaxSeqs>
 
   // Throws std::invalid_argument when validate(config) refuses it, std::bad_alloc when host memory
   // runs out (fits_within(config, budget) checks that first).
-  explicit CellCache(const CacheConfig& config) : Base(config) {}
+  explicit KVCache(const CacheConfig& config) : Base(config) {}
 
   [[nodiscard]] std::int32_t max_len() const noexcept { return this->config().max_len; }
   [[nodiscard]] std::int64_t capacity() const noexcept {
@@ -54,7 +54,7 @@ class CellCache<layout::sequence, W, P, MaxSeqs>
   [[nodiscard]] PendingChanges pending_changes() const noexcept { return {copies_, {}}; }
   void acknowledge_changes() noexcept { copies_.clear(); }
 
-  friend bool operator==(const CellCache&, const CellCache&) = default;
+  friend bool operator==(const KVCache&, const KVCache&) = default;
 
  private:
   // max_len >= 1 (bad_argument); max_seqs x max_len rows + max_write within int32 (size_overflow):
