@@ -47,19 +47,22 @@ void check(const std::string& mismatch) {
 }
 
 // Warm-up: up to `seqs` new sequences, then decode rounds (every live sequence, max_write tokens
-// a step) until the cache's rows in use pass `rows` or a step is refused.
+// a step, halved when a step is refused, so the last free rows fill too) until the cache's rows in
+// use pass `rows` or a one-token step is refused.
 template <class Cache>
 void warm_up(test::OpDriver<Cache>& driver, std::int32_t seqs, std::int64_t rows, test::Entropy& bytes) {
   for (std::int32_t i = 0; i < seqs; ++i) check(driver.scripted_seq_new(bytes));
   const std::vector<std::int32_t> live(driver.model().live().begin(), driver.model().live().end());
   if (live.empty()) return;
-  const auto width = static_cast<std::size_t>(driver.cache().max_write());
+  auto width = static_cast<std::size_t>(driver.cache().max_write());
   for (std::size_t next = 0; driver.cache().used_end() <= rows;) {
     std::vector<std::int32_t> ids;
-    for (std::size_t t = 0; t < width; ++t) ids.push_back(live[next++ % live.size()]);
+    for (std::size_t t = 0; t < width; ++t) ids.push_back(live[(next + t) % live.size()]);
     const std::int64_t before = driver.stats().tokens_placed;
     check(driver.scripted_declare(ids, bytes));
-    if (driver.stats().tokens_placed == before) return;  // refused: full
+    if (driver.stats().tokens_placed != before) next += width;
+    else if (width == 1) return;  // refused: full
+    else width /= 2;
   }
 }
 

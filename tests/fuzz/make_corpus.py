@@ -22,6 +22,8 @@ def seeds():
             flags = warm | (max_seqs << 1)
             ops = bytes(rng.randrange(256) for _ in range((64, 700, 3000)[variant % 3]))
             yield f"type{kind:02d}-v{variant}", bytes([kind, sizes, flags]) + ops
+    # Regressions: inputs that once stopped the harness.
+    yield "regress-warmup-tail", bytes([0x8B, 0x04, 0x01, 0x00])  # 4128 cells, 64-token steps: the last 32 rows
 
 
 def main(out):
