@@ -176,6 +176,7 @@ class PositionTable {
     const std::int32_t old_pages = pages_for(length(seq));
     std::vector<std::int32_t> ks;
     for (const Write& w : writes) {
+      if (w.pos >= new_len) continue;  // truncated anyway
       const std::int32_t k = w.pos / kPagePositions;
       const std::int32_t page = k < old_pages ? dir(seq, k) : -1;
       if (page < 0 ? w.cell >= 0 : holders(page) > 1) ks.push_back(k);
@@ -189,6 +190,7 @@ class PositionTable {
 
   // Applies writes (in order) to seq and sets its length to new_len; positions between the old
   // length and new_len that no write fills become holes, pages left with only holes are released.
+  // Writes at or past new_len are skipped (a rewind writes nothing but the truncation).
   // Preconditions: every write's pos < max(length(seq), new_len); position new_len - 1 holds a cell
   // afterwards (or new_len == 0); free_pages() >= pages_needed(seq, writes, new_len).
   void apply(std::int32_t seq, std::span<const Write> writes, std::int32_t new_len) {
@@ -196,6 +198,7 @@ class PositionTable {
     extend(seq, ext);
     std::vector<std::int32_t> touched;
     for (const Write& w : writes) {
+      if (w.pos >= new_len) continue;  // past the final length: truncated, never read
       const std::int32_t k = w.pos / kPagePositions;
       std::int32_t page = dir(seq, k);
       if (page < 0) {
