@@ -3,7 +3,9 @@
 //
 //   byte 0     configuration: cache type (low bits), max_seqs (high bits)
 //   byte 1     sizes: max_write, max_cells / max_len
-//   bytes 2..  every operation and its arguments (ByteEntropy: one byte per choice of <= 256)
+//   bytes 2..  every operation and its arguments (ByteEntropy: one byte per choice of <= 256):
+//              steps, seq_new / clone / rm / rewind / clear, the sequence edits (seq_rm of a
+//              range, seq_cp, seq_keep, seq_add, seq_div, seq_pos_min / max), acknowledgements
 //
 // A disagreement prints the driver's message and traps, so libFuzzer saves the input.
 //
