@@ -27,6 +27,10 @@ class HostPool {
   }
 
   [[nodiscard]] std::int64_t row_elems() const noexcept { return static_cast<std::int64_t>(heads_kv_) * head_dim_; }
+  [[nodiscard]] std::int32_t layers() const noexcept { return static_cast<std::int32_t>(k_.size()); }
+  [[nodiscard]] std::int32_t heads_kv() const noexcept { return heads_kv_; }
+  [[nodiscard]] std::int32_t head_dim() const noexcept { return head_dim_; }
+  [[nodiscard]] std::int64_t rows() const noexcept { return rows_; }
   [[nodiscard]] PoolView<T> view(std::int32_t layer) {
     return {k_[static_cast<std::size_t>(layer)].data(), v_[static_cast<std::size_t>(layer)].data(), rows_, heads_kv_,
             head_dim_};

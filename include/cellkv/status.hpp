@@ -42,6 +42,14 @@ enum class Errc : std::uint8_t {
   position_collision,     // the edit would give one sequence two cells at one position
   unsupported_by_layout,  // the layout cannot make this edit (docs/design.md section 4, "Sequence edits")
   out_of_pages,           // cell layout: the position table has too few free pages for the edit or step
+  // saved sequence state (sequence_state.hpp)
+  state_truncated,     // the bytes end before the header or payload they declare
+  state_bad_magic,     // not a cellkv sequence state
+  state_bad_version,   // a format version this build does not read
+  state_mismatch,      // saved from a pool of another shape, element type or window set
+  state_corrupt,       // the checksum or the header's own fields disagree with the bytes
+  state_too_large,     // more positions than the cache could ever hold
+  io_error,            // a state file could not be opened, read or written
 };
 
 [[nodiscard]] constexpr std::string_view describe(Errc e) noexcept {
@@ -76,6 +84,14 @@ enum class Errc : std::uint8_t {
     case Errc::out_of_pages:
       return "out of pages: the position table has too few free pages for the edit or step (holes spread "
              "positions over more pages)";
+    case Errc::state_truncated: return "state truncated: the bytes end before the header or payload they declare";
+    case Errc::state_bad_magic: return "state bad magic: not a cellkv sequence state";
+    case Errc::state_bad_version: return "state bad version: a format version this build does not read";
+    case Errc::state_mismatch:
+      return "state mismatch: saved from a pool of another shape, element type or window set";
+    case Errc::state_corrupt: return "state corrupt: the checksum or the header's fields disagree with the bytes";
+    case Errc::state_too_large: return "state too large: more positions than the cache could ever hold";
+    case Errc::io_error: return "I/O error: a state file could not be opened, read or written";
   }
   return "unknown status";
 }

@@ -142,9 +142,9 @@ inline std::string bits_str(std::span<const std::uint8_t> bits) {
 
 enum class OpKind : std::uint8_t {
   declare_step, seq_new, seq_clone, seq_rm, rewind, query, acknowledge, copy, clear,
-  seq_rm_range, seq_cp, seq_keep, seq_add, seq_div, pos_range
+  seq_rm_range, seq_cp, seq_keep, seq_add, seq_div, pos_range, restore
 };
-inline constexpr std::size_t kOpKinds = 15;
+inline constexpr std::size_t kOpKinds = 16;
 inline constexpr std::size_t kCodes = 32;
 
 struct DriverStats {
@@ -190,7 +190,7 @@ struct DriverStats {
 struct OpMix {
   std::uint32_t declare_step = 420, seq_new = 100, seq_clone = 90, seq_rm = 70, rewind = 110, query = 80,
                 acknowledge = 115, copy = 10, clear = 5;
-  std::uint32_t seq_rm_range = 45, seq_cp = 40, seq_keep = 3, seq_add = 60, seq_div = 25, pos_range = 20;
+  std::uint32_t seq_rm_range = 45, seq_cp = 40, seq_keep = 3, seq_add = 60, seq_div = 25, pos_range = 20, restore = 25;
 };
 
 // ---- the driver ----
@@ -221,7 +221,7 @@ class OpDriver {
     const std::array<std::uint32_t, kOpKinds> w{mix_.declare_step, mix_.seq_new, mix_.seq_clone, mix_.seq_rm, mix_.rewind,
                                                  mix_.query, mix_.acknowledge, mix_.copy, mix_.clear,
                                                  mix_.seq_rm_range, mix_.seq_cp, mix_.seq_keep, mix_.seq_add,
-                                                 mix_.seq_div, mix_.pos_range};
+                                                 mix_.seq_div, mix_.pos_range, mix_.restore};
     std::uint32_t total = 0;
     for (const std::uint32_t x : w) total += x;
     std::uint32_t r = e.below(std::max<std::uint32_t>(total, 1));
@@ -244,6 +244,7 @@ class OpDriver {
       case OpKind::seq_add: ok = op_seq_move(e, false); break;
       case OpKind::seq_div: ok = op_seq_move(e, true); break;
       case OpKind::pos_range: ok = op_pos_range(e); break;
+      case OpKind::restore: ok = op_restore(e); break;
     }
     remember(desc_);
     if (ok) ok = check_state(e);
@@ -582,6 +583,45 @@ class OpDriver {
         if (m.to >= 0 && m.shared) chosen.push_back(cache_.cell_of(id, static_cast<std::int32_t>(m.to)));
     if (const std::string why = model_.commit_move(id, moves, chosen); !why.empty())
       return fail("copy-on-write cells " + list_str(chosen), "valid", why);
+    return true;
+  }
+
+  // restore_positions: a live sequence's held positions (a saved state restored beside it), or a
+  // random list (sometimes unsorted, negative or past the limit).
+  bool op_restore(Entropy& e) {
+    std::vector<std::int32_t> positions;
+    const std::uint32_t r = e.below(10);
+    if (r < 6 && !model_.live().empty()) {
+      const std::int32_t src = pick_id(e);
+      if (model_.is_live(src)) positions = cache_.held_positions(src).value();
+    } else {
+      const std::int32_t n = e.range(0, 6);
+      std::int32_t p = e.range(-1, 3);
+      for (std::int32_t i = 0; i < n; ++i, p += e.range(r == 9 ? 0 : 1, 40)) positions.push_back(p);
+      if (r == 9 && n > 1) std::swap(positions.front(), positions.back());
+    }
+    desc_ = "restore_positions(" + list_str(positions) + ")";
+    ++stats_.ops[static_cast<std::size_t>(OpKind::restore)];
+    const Cache before = cache_;
+    Errc want = model_.restore_verdict(positions);
+    if constexpr (kCellLayout)
+      if (want == Errc::ok) {
+        std::set<std::int32_t> pages;
+        for (const std::int32_t p : positions) pages.insert(p / kPagePositions);
+        if (static_cast<std::int32_t>(pages.size()) > cache_.table().free_pages()) want = Errc::out_of_pages;
+      }
+    const Result<std::int32_t> got = cache_.restore_positions(positions);
+    note(got.status().code());
+    if (got.status().code() != want) return fail("status", errc_name(want), errc_name(got.status().code()));
+    if (!got.ok()) return unchanged(before);
+    placed_ = false;
+    edited_ = true;
+    std::vector<std::int64_t> chosen;
+    for (const std::int32_t p : positions) chosen.push_back(cache_.row_of(got.value(), p));
+    std::int32_t want_id = -1;
+    if (const std::string why = model_.commit_restore(positions, chosen, want_id); !why.empty())
+      return fail("restored rows " + list_str(chosen), "valid", why);
+    if (got.value() != want_id) return fail("restored id", want_id, got.value());
     return true;
   }
 

@@ -445,6 +445,45 @@ class Model {
     return {};
   }
 
+  // restore_positions: the verdict (pages aside) for a new sequence holding `positions`.
+  [[nodiscard]] Errc restore_verdict(const std::vector<std::int32_t>& positions) const {
+    for (std::size_t i = 0; i < positions.size(); ++i)
+      if (positions[i] < 0 || (i > 0 && positions[i] <= positions[i - 1])) return Errc::bad_argument;
+    const std::int32_t limit = cell_layout() ? position_limit() : c_.max_len;
+    if (!positions.empty() && positions.back() >= limit) return Errc::sequence_full;
+    if (!cell_layout() && !positions.empty() && positions.back() + 1 != static_cast<std::int32_t>(positions.size()))
+      return Errc::unsupported_by_layout;
+    if (lowest_free_id() < 0) return Errc::no_free_sequence;
+    if (cell_layout() && static_cast<std::int64_t>(positions.size()) > free_cells()) return Errc::out_of_cells;
+    return Errc::ok;
+  }
+  // Applies an admitted restore: the lowest free id, a fresh row per position in order (predicted
+  // as a step's tokens are, or taken from `chosen` and verified for cell_any_free). "" when fine.
+  std::string commit_restore(const std::vector<std::int32_t>& positions, const std::vector<std::int64_t>& chosen,
+                             std::int32_t& id) {
+    id = lowest_free_id();
+    live_.insert(id);
+    std::int64_t last = -1;
+    for (std::size_t i = 0; i < positions.size(); ++i) {
+      const std::int32_t p = positions[i];
+      std::int64_t row = -1;
+      if (!cell_layout()) {
+        row = std::int64_t{id} * c_.max_len + p;
+      } else if (c_.kind == Kind::cell_any_free) {
+        if (i >= chosen.size()) return "fewer rows than positions";
+        row = chosen[i];
+        if (row < 0 || row >= capacity() || find_row(row) != nullptr) return "row " + std::to_string(row) + " was not free";
+      } else {
+        row = lowest_free_row(c_.kind == Kind::cell_after_last ? last + 1 : 0);
+        if (row < 0) row = lowest_free_row(0);
+        last = row;
+      }
+      entries_.push_back(Entry{row, p, {id}, p});
+    }
+    settle(id);
+    return {};
+  }
+
   // Rows whose K must be re-rotated: (row, enc, pos) with enc != pos, by row.
   [[nodiscard]] std::vector<RowRotation> rotations() const {
     std::vector<RowRotation> out;

@@ -99,7 +99,7 @@ void check_common_coverage(const DriverStats& s) {
 void check_edit_coverage(const DriverStats& s, bool cell_layout) {
   using test::OpKind;
   for (const OpKind k : {OpKind::seq_rm_range, OpKind::seq_cp, OpKind::seq_keep, OpKind::seq_add, OpKind::seq_div,
-                         OpKind::pos_range})
+                         OpKind::pos_range, OpKind::restore})
     CHECK(s.op(k) > 0);
   CHECK(s.edits_ok > 0);
   CHECK(s.count(Errc::bad_argument) > 0);  // seq_div by d < 1

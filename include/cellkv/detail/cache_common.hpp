@@ -18,6 +18,10 @@
 //   Result<int32_t> remove_positions(int32_t seq, int32_t lo, int32_t hi)
 //   Result<int32_t> copy_positions(int32_t src, int32_t dst, int32_t lo, int32_t hi)
 //   Result<int32_t> move_positions(int32_t seq, int32_t lo, int32_t hi, F to)  // to(int64 p) -> int64
+//   Status  room_for_restore(span<const int32_t> positions) // resources for a restored sequence
+//   void    restore_rows(int32_t seq, span<const int32_t> positions)  // fresh rows for them
+//   int64_t row_at(int32_t seq, int32_t pos)              // row of a held position, -1 for a hole
+//   void    for_each_held(int32_t seq, F f)               // f(pos, row) for held positions, ascending
 //                    the edits of docs/design.md section 4 ("Sequence edits") on positions [lo, hi)
 //                    (0 <= lo, hi <= pos(seq); src's for a copy), returning the edited sequence's new
 //                    length, or the refusal, having changed nothing
@@ -33,6 +37,7 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
 
 #include "cellkv/seq_set.hpp"
 #include "cellkv/status.hpp"
@@ -199,6 +204,41 @@ class CacheCommon {
   [[nodiscard]] Result<std::int32_t> seq_pos_max(std::int32_t id) const {
     if (const Status s = check_live(id); !s.ok()) return s.code();
     return len_[id] - 1;
+  }
+
+  // ---- saved state (sequence_state.hpp holds the byte format) ----
+
+  // The positions the sequence holds, ascending, and the row of each (where its K and V live).
+  [[nodiscard]] Result<std::vector<std::int32_t>> held_positions(std::int32_t id) const {
+    if (const Status s = check_live(id); !s.ok()) return s.code();
+    std::vector<std::int32_t> out;
+    self().for_each_held(id, [&](std::int32_t p, std::int64_t) { out.push_back(p); });
+    return out;
+  }
+  // Row of position pos of a live sequence, -1 for a hole; precondition 0 <= pos < pos(id).
+  [[nodiscard]] std::int64_t row_of(std::int32_t id, std::int32_t pos) const { return self().row_at(id, pos); }
+
+  // A new sequence (lowest free id) holding exactly `positions` (strictly ascending, >= 0), each
+  // in a fresh row (the placement's pick, in order); the caller then fills the rows (row_of).
+  // Refusals: bad_argument (positions not strictly ascending from >= 0), sequence_full (past the
+  // layout's position limit), unsupported_by_layout (the sequence layout and a hole),
+  // no_free_sequence, then out_of_cells / out_of_pages.
+  Result<std::int32_t> restore_positions(std::span<const std::int32_t> positions) {
+    for (std::size_t i = 0; i < positions.size(); ++i)
+      if (positions[i] < 0 || (i > 0 && positions[i] <= positions[i - 1])) return Errc::bad_argument;
+    if (!positions.empty() && positions.back() >= self().position_limit()) return Errc::sequence_full;
+    if (!Derived::kHoles && !positions.empty() && positions.back() + 1 != static_cast<std::int32_t>(positions.size()))
+      return Errc::unsupported_by_layout;
+    const std::int32_t id = live_.first_absent(config_.max_seqs);
+    if (id < 0) return Errc::no_free_sequence;
+    if (const Status s = self().room_for_restore(positions); !s.ok()) return s.code();
+    live_.set(id);
+    len_[id] = 0;
+    self().on_seq_created(id);
+    self().restore_rows(id, positions);
+    len_[id] = positions.empty() ? 0 : positions.back() + 1;
+    placed_ = false;
+    return id;
   }
 
   // Drops every sequence and releases every row.

@@ -154,6 +154,26 @@ class CellCache<layout::cell, W, P, MaxSeqs>
 
   // ---- sequence edits ----
   using Write = PositionTable::Write;
+  static constexpr bool kHoles = true;
+
+  Status room_for_restore(std::span<const std::int32_t> positions) const {
+    if (static_cast<std::int64_t>(positions.size()) > free_count_) return Errc::out_of_cells;
+    std::int32_t pages = 0;  // one per distinct page, all fresh
+    for (std::size_t i = 0; i < positions.size(); ++i)
+      if (i == 0 || positions[i] / kPagePositions != positions[i - 1] / kPagePositions) ++pages;
+    return pages <= table_.free_pages() ? Status{} : Status{Errc::out_of_pages};
+  }
+  void restore_rows(std::int32_t seq, std::span<const std::int32_t> positions) {
+    std::vector<Write> writes;
+    for (const std::int32_t p : positions) writes.push_back({p, claim(seq, p)});
+    table_.apply(seq, writes, positions.empty() ? 0 : positions.back() + 1);
+    ends_at(seq);
+  }
+  [[nodiscard]] std::int64_t row_at(std::int32_t seq, std::int32_t pos) const { return table_.cell(seq, pos); }
+  template <class F>
+  void for_each_held(std::int32_t seq, F&& f) const {
+    table_.for_each_position(seq, 0, table_.length(seq), [&](std::int32_t p, std::int32_t c) { f(p, std::int64_t{c}); });
+  }
 
   [[nodiscard]] std::int32_t first_position(std::int32_t seq) const { return table_.first_held(seq); }
 

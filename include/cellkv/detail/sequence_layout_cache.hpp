@@ -35,6 +35,8 @@ class CellCache<layout::sequence, W, P, MaxSeqs>
   explicit CellCache(const CacheConfig& config) : Base(config) {}
 
   [[nodiscard]] std::int32_t max_len() const noexcept { return this->config().max_len; }
+  // Positions a sequence can reach: [0, max_len).
+  [[nodiscard]] std::int32_t position_limit() const noexcept { return max_len(); }
   [[nodiscard]] std::int64_t capacity() const noexcept {
     return static_cast<std::int64_t>(this->config().max_seqs) * max_len();
   }
@@ -92,6 +94,19 @@ class CellCache<layout::sequence, W, P, MaxSeqs>
     used_rows_ += upto;
     nonempty_.set(dst);
     return upto;
+  }
+
+  // ---- saved state ----
+  static constexpr bool kHoles = false;
+  Status room_for_restore(std::span<const std::int32_t>) const { return {}; }
+  void restore_rows(std::int32_t seq, std::span<const std::int32_t> positions) {
+    used_rows_ += static_cast<std::int64_t>(positions.size());
+    if (!positions.empty()) nonempty_.set(seq);
+  }
+  [[nodiscard]] std::int64_t row_at(std::int32_t seq, std::int32_t pos) const { return slot_begin(seq) + pos; }
+  template <class F>
+  void for_each_held(std::int32_t seq, F&& f) const {
+    for (std::int32_t p = 0; p < this->length(seq); ++p) f(p, slot_begin(seq) + p);
   }
 
   // ---- sequence edits ----
