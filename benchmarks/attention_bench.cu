@@ -18,8 +18,8 @@
 //
 //   build/benchmarks/cellkv-bench-attention [--quick] [--out FILE] [--only decode | --only decode:16x4k]
 #include <cellkv/cellkv.hpp>
-#include <cellkv/cuda/device_cache.cuh>
-#include <cellkv/cuda/stream.hpp>
+#include <cellkv/gpu/device_cache.cuh>
+#include <cellkv/gpu/stream.hpp>
 
 #include "bench_util.cuh"
 

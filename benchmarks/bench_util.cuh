@@ -2,8 +2,8 @@
 // names of the report. Benchmarks are timing programs, never tests.
 #pragma once
 
-#include <cellkv/cuda/error.hpp>
-#include <cellkv/cuda/stream.hpp>
+#include <cellkv/gpu/error.hpp>
+#include <cellkv/gpu/stream.hpp>
 
 #include <cuda_bf16.h>
 

@@ -15,8 +15,8 @@
 //
 //   build/benchmarks/cellkv-bench-churn [--steps N] [--out FILE]
 #include <cellkv/cellkv.hpp>
-#include <cellkv/cuda/device_cache.cuh>
-#include <cellkv/cuda/stream.hpp>
+#include <cellkv/gpu/device_cache.cuh>
+#include <cellkv/gpu/stream.hpp>
 
 #include <cuda_bf16.h>
 

@@ -88,13 +88,13 @@ int main() {
   std::printf("%-34s %9s %9s %9s %7s %8s %8s %8s %7s %9s\n", "cache", "cells", "decode", "prefill", "new", "clone",
               "rm", "rewind", "query", "clear");
   using namespace cellkv;
-  bench<CellCache<layout::cell, Model>>("cell, lowest_free", {.max_write = 256, .max_cells = 16384}, 56);
-  bench<CellCache<layout::cell, Model>>("cell, lowest_free", {.max_write = 256, .max_cells = 262144}, 900);
-  bench<CellCache<layout::cell, Model, placement::clustered<64>>>("cell, clustered<64>",
+  bench<CellCache<Model>>("cell, lowest_free", {.max_write = 256, .max_cells = 16384}, 56);
+  bench<CellCache<Model>>("cell, lowest_free", {.max_write = 256, .max_cells = 262144}, 900);
+  bench<CellCache<Model, placement::clustered<64>>>("cell, clustered<64>",
                                                                   {.max_write = 256, .max_cells = 16384}, 56);
-  bench<CellCache<layout::cell, Model, placement::clustered<64>>>("cell, clustered<64>",
+  bench<CellCache<Model, placement::clustered<64>>>("cell, clustered<64>",
                                                                   {.max_write = 256, .max_cells = 262144}, 900);
-  bench<CellCache<layout::sequence, Model>>("sequence", {.max_write = 256, .max_seqs = 256, .max_len = 64}, 56);
-  bench<CellCache<layout::sequence, Model>>("sequence", {.max_write = 256, .max_seqs = 256, .max_len = 1024}, 900);
+  bench<SequenceCache<Model>>("sequence", {.max_write = 256, .max_seqs = 256, .max_len = 64}, 56);
+  bench<SequenceCache<Model>>("sequence", {.max_write = 256, .max_seqs = 256, .max_len = 1024}, 900);
   return 0;
 }

@@ -21,8 +21,8 @@ Peers (impl names as written to the JSON lines)
       backend refuses enable_gqa, K/V heads are expanded (repeat_interleave, untimed) and the
       name gets '_expanded'.
   sdpa_mask_cell_pool
-      The seed's approach: one pool of N*L + 128 spare cells, [1, H_kv, cells, D], shared by all
-      sequences; decode uses interleaved placement (cell c belongs to sequence c % N, position
+      The dense-mask cell layout cellkv grew from (an off-graph KV cache feeding SDPA): one pool
+      of N*L + 128 spare cells, [1, H_kv, cells, D], shared by all sequences; decode uses interleaved placement (cell c belongs to sequence c % N, position
       c // N), prefill puts sequence i at cells [i*L, (i+1)*L). All queries form one batch of
       T tokens ([1, H_q, T, D]) with an explicit bool mask [1, 1, T, cells] (visible iff same
       sequence and cell position <= query position) built once, untimed; SDPA picks its backend

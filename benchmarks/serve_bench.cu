@@ -25,8 +25,8 @@
 //   build/benchmarks/cellkv-bench-serve [--quick] [--out FILE] [--weights-out FILE] [--sessions 1,16,...]
 //   build/benchmarks/cellkv-bench-serve --parallel-sampling [--quick] [--out FILE] [--sampling-shape 16,2048,8,256]
 #include <cellkv/batching/executor.hpp>
-#include <cellkv/cuda/device_cache.cuh>
-#include <cellkv/cuda/stream.hpp>
+#include <cellkv/gpu/device_cache.cuh>
+#include <cellkv/gpu/stream.hpp>
 
 #include <cuda_bf16.h>
 

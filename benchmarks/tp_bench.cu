@@ -6,9 +6,9 @@
 //
 //   build/benchmarks/cellkv-bench-tp [--sessions N] [--out FILE]
 #include <cellkv/batching/executor.hpp>
-#include <cellkv/cuda/device_cache.cuh>
-#include <cellkv/cuda/sharded_cache.cuh>
-#include <cellkv/cuda/stream.hpp>
+#include <cellkv/gpu/device_cache.cuh>
+#include <cellkv/gpu/sharded_cache.cuh>
+#include <cellkv/gpu/stream.hpp>
 
 #include <cstdint>
 #include <cstdio>

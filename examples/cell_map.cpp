@@ -14,7 +14,7 @@ namespace {
 
 // Two layers use the full causal history, one a sliding window of 3 positions.
 using Model = cellkv::Windows<0, 3, 0>;
-using Cache = cellkv::CellCache<cellkv::layout::cell, Model, cellkv::placement::lowest_free, 8>;
+using Cache = cellkv::CellCache<Model, cellkv::placement::lowest_free, 8>;
 
 constexpr std::int32_t kCells = 24;
 
@@ -63,7 +63,7 @@ int draw_and_check_masks(const Cache& cache) {
     std::printf("  mask_w%d (buffer %d), read_len %lld:\n", w, b, static_cast<long long>(plan.read_len));
     for (std::int32_t t = 0; t < plan.tokens; ++t) {
       const std::int32_t seq = plan.seqs[static_cast<std::size_t>(t)], pos = plan.positions[static_cast<std::size_t>(t)];
-      cache.mask_row(w, t, row);
+      if (!cache.mask_row(w, t, row).ok()) return 1;  // a placed step and a row of read_len: never refused
       std::printf("    t%-2d %c@%-3d", t, name_of(seq), pos);
       for (std::int32_t c = 0; c < plan.read_len; ++c) {
         const bool got = row[static_cast<std::size_t>(c)] != 0;

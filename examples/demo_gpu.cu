@@ -2,8 +2,8 @@
 // on the host reference path. Exits 1 when a solo re-run does not match the batch.
 //   build/examples/cellkv-demo
 #include <cellkv/batching/executor.hpp>
-#include <cellkv/cuda/device_cache.cuh>
-#include <cellkv/cuda/stream.hpp>
+#include <cellkv/gpu/device_cache.cuh>
+#include <cellkv/gpu/stream.hpp>
 
 #include <cstdio>
 

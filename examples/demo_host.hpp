@@ -2,7 +2,7 @@
 #pragma once
 
 #include <cellkv/batching/executor.hpp>
-#include <cellkv/cell_cache.hpp>
+#include <cellkv/kv_cache.hpp>
 
 #include <cstdio>
 
@@ -13,7 +13,7 @@ namespace demo {
 
 inline int run_host() {
   using Model = cellkv::Windows<0, 32, 0, 32>;  // two sliding-window layers: two mask buffers
-  using Cache = cellkv::CellCache<cellkv::layout::cell, Model, cellkv::placement::clustered<16>, 64>;
+  using Cache = cellkv::CellCache<Model, cellkv::placement::clustered<16>, 64>;
   const llama::Config config{.vocab = 256, .dim = 128, .layers = Model::kLayers, .heads_q = 4, .heads_kv = 2,
                              .head_dim = 64, .ffn = 256};
   const llama::Weights weights = llama::generate(config);

@@ -4,8 +4,8 @@
 //
 //   build/examples/cellkv-gpu-steps
 #include <cellkv/cellkv.hpp>
-#include <cellkv/cuda/device_cache.cuh>
-#include <cellkv/cuda/stream.hpp>
+#include <cellkv/gpu/device_cache.cuh>
+#include <cellkv/gpu/stream.hpp>
 
 #include <cuda_bf16.h>
 

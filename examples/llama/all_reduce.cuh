@@ -5,7 +5,7 @@
 // Every rank calls sum() from its own thread, with its own buffer and stream, in the same order.
 #pragma once
 
-#include <cellkv/cuda/stream.hpp>
+#include <cellkv/gpu/stream.hpp>
 #include <cellkv/status.hpp>
 
 #include <cuda_runtime.h>

@@ -8,8 +8,8 @@
 #pragma once
 
 #include <cellkv/batching/device_sampling.cuh>
-#include <cellkv/cuda/kernels/mma.cuh>
-#include <cellkv/cuda/numeric.cuh>
+#include <cellkv/gpu/kernels/mma.cuh>
+#include <cellkv/gpu/numeric.cuh>
 
 #include <cstdint>
 #include <type_traits>

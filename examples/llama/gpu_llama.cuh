@@ -6,7 +6,7 @@
 #pragma once
 
 #include <cellkv/batching/model.hpp>
-#include <cellkv/cuda/device_cache.cuh>
+#include <cellkv/gpu/device_cache.cuh>
 
 #include <cuda_runtime.h>
 

@@ -33,9 +33,9 @@
 
 #include <cellkv/batching/device_sampling.cuh>
 #include <cellkv/batching/model.hpp>
-#include <cellkv/cuda/graph.hpp>
-#include <cellkv/cuda/memory.hpp>
-#include <cellkv/cuda/stream.hpp>
+#include <cellkv/gpu/graph.hpp>
+#include <cellkv/gpu/memory.hpp>
+#include <cellkv/gpu/stream.hpp>
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>

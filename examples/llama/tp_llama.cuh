@@ -12,8 +12,8 @@
 #pragma once
 
 #include <cellkv/batching/model.hpp>
-#include <cellkv/cuda/sharded_cache.cuh>
-#include <cellkv/cuda/stream.hpp>
+#include <cellkv/gpu/sharded_cache.cuh>
+#include <cellkv/gpu/stream.hpp>
 
 #include <cstdint>
 #include <cstring>

@@ -1,5 +1,5 @@
 // cellkv/attention_plan.hpp - the attention work of a placed step, planned on the host from its
-// segments and read by the table-driven kernels (include/cellkv/cuda/kernels/).
+// segments and read by the table-driven kernels (include/cellkv/gpu/kernels/).
 //
 // What a segment's query rows see is a range of positions of its own sequence (visibility.hpp), so
 // the work of a segment is a range of KV tiles: tile i holds positions [i * tile, (i + 1) * tile),

@@ -2,7 +2,7 @@
 #pragma once
 
 #include "cellkv/attention_plan.hpp"
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/footprint.hpp"
 #include "cellkv/host_device.hpp"
 #include "cellkv/host_pool.hpp"

@@ -72,7 +72,7 @@ inline std::optional<std::size_t> size_sum(std::initializer_list<std::size_t> te
 }  // namespace detail
 
 // The device bytes a shard of `shape` (its own heads) of a device cache planned by `Host` (a
-// CellCache) allocates for `config`, with the parts `parts` says it builds. Refuses what
+// KVCache) allocates for `config`, with the parts `parts` says it builds. Refuses what
 // Host::validate refuses, a non-positive layer, head or head-dim count (bad_shape), an element
 // size of 0 (bad_argument), and sizes that overflow (size_overflow).
 template <class Host>

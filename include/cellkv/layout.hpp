@@ -1,8 +1,8 @@
 // cellkv/layout.hpp - where a token's K/V row lives, chosen at compile time (docs/design.md section 2).
 //
-// A layout is a tag type L with traits (checked by the Layout concept below) and a CellCache
+// A layout is a tag type L with traits (checked by the Layout concept below) and a KVCache
 // specialization that implements it (cellkv/detail/*_layout_cache.hpp); the device side adds
-// gpu::DeviceLayout<L> (cellkv/cuda/device_layout.cuh). docs/design.md, "How to add a layout, a
+// gpu::DeviceLayout<L> (cellkv/gpu/device_layout.cuh). docs/design.md, "How to add a layout, a
 // placement, a kernel", lists what a new one provides:
 //
 //   L::default_placement            the placement a cache of L gets when none is named

@@ -15,12 +15,15 @@
 //                                   ends at last_cell, -1 when it holds nothing; called after the
 //                                   freed() calls of the cells it let go
 //   operator==                      P and SeqState (the cache is a value compared with ==)
+//   static size_t host_bytes(int32_t max_cells)   optional: the host memory P(max_cells) allocates
+//                                   (counted by cellkv::host_bytes; 0 when absent)
 //
 // Policies: placement::lowest_free, placement::clustered<Block> (one header each under
 // cellkv/placement/); placement::none is the argument of layouts that place nothing.
 #pragma once
 
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 
 #include "cellkv/placement/clustered.hpp"
@@ -40,6 +43,15 @@ concept Placement =
       p.freed(cell);
       p.truncated(s, cell);
     };
+
+// The host memory a P(max_cells) allocates: P::host_bytes(max_cells) when P says, else 0.
+template <class P>
+[[nodiscard]] constexpr std::size_t placement_host_bytes(std::int32_t max_cells) noexcept {
+  if constexpr (requires { { P::host_bytes(max_cells) } -> std::convertible_to<std::size_t>; })
+    return P::host_bytes(max_cells);
+  else
+    return 0;
+}
 
 static_assert(Placement<placement::lowest_free>);
 static_assert(Placement<placement::clustered<64>>);

@@ -66,6 +66,12 @@ class PositionTable {
     const std::int64_t pages = static_cast<std::int64_t>(pages_for(max_cells)) + 2 * static_cast<std::int64_t>(max_seqs);
     return dir + pages * kPagePositions;
   }
+  // Heap bytes of a table of these sizes with every entry listed as changed (the most it holds):
+  // flat int32 + changed flag byte + changed index int32 per entry, lengths, page counts, free list.
+  static constexpr std::int64_t host_bytes(std::int32_t max_seqs, std::int32_t max_cells) noexcept {
+    const std::int64_t pages = static_cast<std::int64_t>(pages_for(max_cells)) + 2 * static_cast<std::int64_t>(max_seqs);
+    return 9 * flat_size(max_seqs, max_cells) + 4 * static_cast<std::int64_t>(max_seqs) + 8 * pages;
+  }
   [[nodiscard]] std::int32_t dir_stride() const noexcept { return dir_stride_; }
   [[nodiscard]] std::int32_t page_capacity() const noexcept { return page_capacity_; }
   [[nodiscard]] std::int64_t directory_entries() const noexcept {

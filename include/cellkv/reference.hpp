@@ -72,13 +72,17 @@ void attend(std::span<const T> q, PoolView<const T> pool, std::span<T> out, std:
 }
 
 // Write then attend for a layer of window `window` of the cache's placed step (either layout).
-// Refuses (writing nothing) when no step is placed or shapes disagree with the step and pool.
+// Refuses, writing nothing: no step placed (no_step_declared); a negative window (bad_argument);
+// H_q not a positive multiple of H_kv (bad_head_ratio); head_dim < 1, or shapes
+// that disagree with the step and pool (bad_shape).
 template <class Cache, class T>
 Status update_and_attend(const Cache& cache, std::int32_t window, PoolView<T> pool, std::span<const T> q,
                          std::span<const T> k, std::span<const T> v, std::span<T> out, std::int32_t heads_q,
                          float scale) {
   if (const Status s = cache.require_step(); !s.ok()) return s;
+  if (window < 0) return Errc::bad_argument;
   if (pool.heads_kv <= 0 || heads_q <= 0 || heads_q % pool.heads_kv != 0) return Errc::bad_head_ratio;
+  if (pool.head_dim < 1) return Errc::bad_shape;
   const auto plan = cache.step();
   const auto T_tokens = static_cast<std::size_t>(plan.tokens);
   const auto q_elems = T_tokens * static_cast<std::size_t>(heads_q) * static_cast<std::size_t>(pool.head_dim);
@@ -89,7 +93,7 @@ Status update_and_attend(const Cache& cache, std::int32_t window, PoolView<T> po
   write(pool, k, v, plan.rows);
   const PoolView<const T> read{pool.k, pool.v, pool.rows, pool.heads_kv, pool.head_dim};
   attend<T>(q, read, out, heads_q, plan.read_len, scale,
-            [&](std::int32_t t, std::int64_t row) { return cache.visible(t, row, window); });
+            [&](std::int32_t t, std::int64_t row) { return cache.visible(t, row, window).value_or(false); });
   return {};
 }
 

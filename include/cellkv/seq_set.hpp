@@ -10,9 +10,13 @@
 
 namespace cellkv {
 
+// The most sequence ids a cache (and a SeqSet) may have: a SeqSet is stored inline per cell, so
+// its size (MaxSeqs / 8 bytes) stays small, and id arithmetic stays far from int32's limit.
+inline constexpr std::int32_t kMaxSeqsLimit = 65536;
+
 template <std::int32_t MaxSeqs = 256>
 class SeqSet {
-  static_assert(MaxSeqs > 0, "cellkv::SeqSet<MaxSeqs>: MaxSeqs must be positive");
+  static_assert(MaxSeqs >= 1 && MaxSeqs <= kMaxSeqsLimit, "cellkv::SeqSet<MaxSeqs>: MaxSeqs must lie in [1, 65536]");
 
  public:
   static constexpr std::int32_t kMaxSeqs = MaxSeqs;

@@ -38,6 +38,7 @@ enum class Errc : std::uint8_t {
   // sizes and device faults
   size_overflow,       // a configuration's sizes overflow what cellkv can index or count (size_t, int32)
   bad_device_row,      // a device write met a row outside the pool (its data went to the scratch row)
+  out_of_memory,       // a configuration needs more host memory than the budget it was checked against
   // sequence edits (seq_rm / seq_cp / seq_add / seq_div over a position range)
   position_collision,     // the edit would give one sequence two cells at one position
   unsupported_by_layout,  // the layout cannot make this edit (docs/design.md section 4, "Sequence edits")
@@ -76,6 +77,7 @@ enum class Errc : std::uint8_t {
     case Errc::size_overflow: return "size overflow: the configuration's sizes overflow size_t or int32";
     case Errc::bad_device_row:
       return "bad device row: a device write met a row outside the pool; the write went to the scratch row";
+    case Errc::out_of_memory: return "out of memory: the configuration needs more host memory than the budget";
     case Errc::position_collision:
       return "position collision: the edit would give a sequence two cells at one position";
     case Errc::unsupported_by_layout:

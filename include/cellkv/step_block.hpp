@@ -114,7 +114,7 @@ struct StepBlockLayout {
   static constexpr std::size_t align16(std::size_t n) { return (n + 15) / 16 * 16; }
 };
 
-// The step block of a device cache planned by a `Host` (a CellCache) for a shard of `shape`:
+// The step block of a device cache planned by a `Host` (a KVCache) for a shard of `shape`:
 // max_write tokens, one work area per distinct window, the prefill items of the shard's GQA group,
 // row ranges (sequence layout) or room for max(4 max_write, 4096) table writes (cell layout), and
 // with `shared_prefixes` (cell layout, the table kernels' element types) max_write shared-prefix

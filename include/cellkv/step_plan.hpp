@@ -1,6 +1,6 @@
 // cellkv/step_plan.hpp - what the host hands the device for a placed step, as plain data.
 //
-// The device side (include/cellkv/cuda/) consumes exactly this and queries nothing else: per token
+// The device side (include/cellkv/gpu/) consumes exactly this and queries nothing else: per token
 // its row, sequence and position; the step's segments; read_len; and what changed since the last
 // upload (the position-table entries written, for the cell layout; the row copies of forks, for
 // the sequence layout).

@@ -3,7 +3,7 @@
 #include <cstdio>
 
 int main() {
-  cellkv::CellCache<cellkv::layout::cell, cellkv::Windows<0>> cache({.max_write = 4, .max_cells = 16});
+  cellkv::CellCache<cellkv::Windows<0>> cache({.max_write = 4, .max_cells = 16});
   const std::int32_t a = cache.seq_new().value();
   const std::int32_t ids[] = {a, a, a};
   const auto plan = cache.declare_step(ids);

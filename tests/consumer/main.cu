@@ -1,8 +1,8 @@
 // Uses cellkv's CUDA tier through the subproject's cellkv-cuda dependency: write_kv of one token
 // into a pool of two rows (plus the scratch row), read back. Without a device it says so and passes.
-#include <cellkv/cuda/launch/ops.cuh>
-#include <cellkv/cuda/memory.hpp>
-#include <cellkv/cuda/stream.hpp>
+#include <cellkv/gpu/launch/ops.cuh>
+#include <cellkv/gpu/memory.hpp>
+#include <cellkv/gpu/stream.hpp>
 #include <cuda_fp16.h>
 
 #include <cstdint>

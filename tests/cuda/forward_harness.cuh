@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "cellkv/cuda/device_cache.cuh"
+#include "cellkv/gpu/device_cache.cuh"
 #include "cellkv/reference.hpp"
 #include "support.cuh"
 

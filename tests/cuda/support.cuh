@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "cellkv/cuda/dtype.hpp"
-#include "cellkv/cuda/memory.hpp"
+#include "cellkv/gpu/dtype.hpp"
+#include "cellkv/gpu/memory.hpp"
 #include "cellkv/status.hpp"
 #include "../host/support.hpp"  // Status printing, step helpers
 

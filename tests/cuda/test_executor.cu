@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "cellkv/batching/executor.hpp"
-#include "cellkv/cell_cache.hpp"
-#include "cellkv/cuda/device_cache.cuh"
-#include "cellkv/cuda/stream.hpp"
+#include "cellkv/kv_cache.hpp"
+#include "cellkv/gpu/device_cache.cuh"
+#include "cellkv/gpu/stream.hpp"
 #include "llama/gpu_llama.cuh"
 #include "llama/host_llama.hpp"
 #include "../host/executor_cases.hpp"
@@ -160,7 +160,7 @@ std::vector<std::vector<std::int32_t>> run_sampled(E& exec) {
   return outputs_of(exec, std::span<const SessionId>(ids));
 }
 
-using HostCells = CellCache<layout::cell, Model, placement::clustered<64>, 16>;
+using HostCells = CellCache<Model, placement::clustered<64>, 16>;
 
 }  // namespace
 

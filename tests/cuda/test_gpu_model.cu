@@ -15,9 +15,9 @@
 
 #include "cellkv/batching/model.hpp"
 #include "cellkv/batching/sampling.hpp"
-#include "cellkv/cell_cache.hpp"
-#include "cellkv/cuda/device_cache.cuh"
-#include "cellkv/cuda/stream.hpp"
+#include "cellkv/kv_cache.hpp"
+#include "cellkv/gpu/device_cache.cuh"
+#include "cellkv/gpu/stream.hpp"
 #include "llama/gpu_llama.cuh"
 #include "llama/host_llama.hpp"
 #include "support.cuh"
@@ -42,7 +42,7 @@ const llama::Weights& weights() {
 template <class L, class P>
 struct Pair {
   using GpuCache = gpu::DeviceCache<L, float, Layers, P, 32>;
-  using HostCache = CellCache<L, Layers, P, 32>;
+  using HostCache = KVCache<L, Layers, P, 32>;
   gpu::Stream stream;
   GpuCache gpu_cache{kCacheConfig, kShape};
   HostCache host_cache{kCacheConfig};

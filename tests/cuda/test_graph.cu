@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <random>
 
-#include "cellkv/cuda/device_cache.cuh"
-#include "cellkv/cuda/graph.hpp"
-#include "cellkv/cuda/stream.hpp"
+#include "cellkv/gpu/device_cache.cuh"
+#include "cellkv/gpu/graph.hpp"
+#include "cellkv/gpu/stream.hpp"
 #include "forward_harness.cuh"
 #include "support.cuh"
 

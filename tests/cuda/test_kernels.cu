@@ -12,8 +12,8 @@
 #include <random>
 #include <vector>
 
-#include "cellkv/cuda/launch/ops.cuh"
-#include "cellkv/cuda/stream.hpp"
+#include "cellkv/gpu/launch/ops.cuh"
+#include "cellkv/gpu/stream.hpp"
 #include "cellkv/reference.hpp"
 #include "support.cuh"
 

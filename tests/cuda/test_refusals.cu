@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
-#include "cellkv/cuda/device_cache.cuh"
-#include "cellkv/cuda/launch/ops.cuh"
-#include "cellkv/cuda/sharded_cache.cuh"
-#include "cellkv/cuda/stream.hpp"
+#include "cellkv/gpu/device_cache.cuh"
+#include "cellkv/gpu/launch/ops.cuh"
+#include "cellkv/gpu/sharded_cache.cuh"
+#include "cellkv/gpu/stream.hpp"
 #include "support.cuh"
 
 namespace {

@@ -16,8 +16,8 @@
 
 #include "cellkv/batching/device_sampling.cuh"
 #include "cellkv/batching/sampling.hpp"
-#include "cellkv/cuda/graph.hpp"
-#include "cellkv/cuda/stream.hpp"
+#include "cellkv/gpu/graph.hpp"
+#include "cellkv/gpu/stream.hpp"
 #include "support.cuh"
 
 namespace {

@@ -7,8 +7,8 @@
 #include <random>
 #include <vector>
 
-#include "cellkv/cuda/device_cache.cuh"
-#include "cellkv/cuda/stream.hpp"
+#include "cellkv/gpu/device_cache.cuh"
+#include "cellkv/gpu/stream.hpp"
 #include "forward_harness.cuh"
 #include "support.cuh"
 

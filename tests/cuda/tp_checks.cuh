@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "cellkv/batching/executor.hpp"
-#include "cellkv/cuda/device_cache.cuh"
-#include "cellkv/cuda/device_guard.hpp"
-#include "cellkv/cuda/sharded_cache.cuh"
-#include "cellkv/cuda/stream.hpp"
+#include "cellkv/gpu/device_cache.cuh"
+#include "cellkv/gpu/device_guard.hpp"
+#include "cellkv/gpu/sharded_cache.cuh"
+#include "cellkv/gpu/stream.hpp"
 #include "llama/gpu_llama.cuh"
 #include "llama/tp_llama.cuh"
 #include "../host/executor_cases.hpp"

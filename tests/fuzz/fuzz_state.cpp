@@ -11,7 +11,7 @@
 #include <cstring>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/host_pool.hpp"
 #include "cellkv/sequence_state.hpp"
 
@@ -66,9 +66,9 @@ void restore_into(Cache cache, std::span<const std::byte> bytes) {
 }
 
 void run(std::span<const std::byte> bytes) {
-  restore_into(CellCache<layout::cell, Model, placement::lowest_free, 4>({.max_write = 4, .max_cells = 96}), bytes);
-  restore_into(CellCache<layout::cell, Model, placement::clustered<4>, 4>({.max_write = 4, .max_cells = 20}), bytes);
-  restore_into(CellCache<layout::sequence, Model, placement::none, 4>({.max_write = 4, .max_len = 12}), bytes);
+  restore_into(CellCache<Model, placement::lowest_free, 4>({.max_write = 4, .max_cells = 96}), bytes);
+  restore_into(CellCache<Model, placement::clustered<4>, 4>({.max_write = 4, .max_cells = 20}), bytes);
+  restore_into(SequenceCache<Model, 4>({.max_write = 4, .max_len = 12}), bytes);
 }
 
 }  // namespace

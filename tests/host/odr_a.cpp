@@ -4,7 +4,7 @@
 #include "cellkv/cellkv.hpp"
 
 std::int64_t odr_unit_a() {
-  cellkv::CellCache<cellkv::layout::cell, cellkv::Windows<0, 4>, cellkv::placement::clustered<8>> cache(
+  cellkv::CellCache<cellkv::Windows<0, 4>, cellkv::placement::clustered<8>> cache(
       {.max_write = 4, .max_cells = 32});
   const std::int32_t ids[] = {cache.seq_new().value()};
   return cache.declare_step(ids).value().read_len + static_cast<std::int64_t>(cellkv::reference::default_scale(64));

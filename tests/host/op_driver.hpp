@@ -43,7 +43,7 @@
 #include <vector>
 
 #include "after_last_placement.hpp"
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "oracle.hpp"
 
 namespace cellkv::test {
@@ -251,6 +251,15 @@ class OpDriver {
     return ok ? std::string{} : report();
   }
 
+  // Scripted operations, checked as the random ones are (the fuzz harness fills big caches fast with
+  // them): a new sequence; a step of the given ids.
+  std::string scripted_seq_new(Entropy& e) {
+    return scripted([&] { return op_seq_new(); }, e);
+  }
+  std::string scripted_declare(const std::vector<std::int32_t>& ids, Entropy& e) {
+    return scripted([&] { return declare_ids(ids); }, e);
+  }
+
   // Up to `max_ops` operations, stopping at the first mismatch or when the source runs dry.
   std::string run(Entropy& e, std::int64_t max_ops) {
     for (std::int64_t i = 0; i < max_ops && !e.exhausted(); ++i)
@@ -341,8 +350,20 @@ class OpDriver {
 
   // ---- operations ----
 
-  bool op_declare(Entropy& e) {
-    const std::vector<std::int32_t> ids = step_ids(e);
+  template <class Op>
+  std::string scripted(Op&& op, Entropy& e) {
+    err_.clear();
+    desc_.clear();
+    ++op_number_;
+    bool ok = op();
+    remember(desc_);
+    if (ok) ok = check_state(e);
+    return ok ? std::string{} : report();
+  }
+
+  bool op_declare(Entropy& e) { return declare_ids(step_ids(e)); }
+
+  bool declare_ids(const std::vector<std::int32_t>& ids) {
     desc_ = "declare_step(" + list_str(ids) + ")";
     ++stats_.ops[static_cast<std::size_t>(OpKind::declare_step)];
     const Cache before = cache_;
@@ -778,6 +799,7 @@ class OpDriver {
     if (gate != want_gate) return fail("require_step()", errc_name(want_gate), errc_name(gate));
     if (cache_.step_serial() != serial_) return fail("step_serial()", serial_, cache_.step_serial());
     if (placed_ && !check_placed_step(e)) return false;
+    if (!check_query_refusals(e)) return false;
     if constexpr (kCellLayout) return check_cells();
     else return check_copies();
   }
@@ -801,7 +823,9 @@ class OpDriver {
       for (std::size_t t = 0; t < step_ids_.size(); ++t) {
         const auto pad = static_cast<std::size_t>((op_number_ + static_cast<std::int64_t>(t)) % 3);  // out.size() >= read_len
         got.assign(static_cast<std::size_t>(width) + pad, std::uint8_t{0xA5});
-        cache_.mask_row(window, static_cast<std::int32_t>(t), got);
+        if (const Status s = cache_.mask_row(window, static_cast<std::int32_t>(t), got); !s.ok())
+          return fail("mask_row(window=" + std::to_string(window) + ", t=" + std::to_string(t) + ") status", "ok",
+                      errc_name(s.code()));
         const std::vector<std::uint8_t> want = model_.visibility_row(step_ids_[t], step_pos_[t], window, width);
         ++stats_.mask_rows_checked;
         if (!std::equal(want.begin(), want.end(), got.begin())) {
@@ -812,7 +836,9 @@ class OpDriver {
         }
         if constexpr (!kCellLayout) {
           // What a token sees is the contiguous range [begin, end) of its slot.
-          const auto [range_begin, range_end] = row_range(cache_.visible_range(static_cast<std::int32_t>(t), window));
+          const Result<RowRange> range = cache_.visible_range(static_cast<std::int32_t>(t), window);
+          if (!range.ok()) return fail("visible_range status", "ok", errc_name(range.status().code()));
+          const auto [range_begin, range_end] = row_range(range.value());
           const std::int64_t first = std::find(want.begin(), want.end(), std::uint8_t{1}) - want.begin();
           const std::int64_t last = want.rend() - std::find(want.rbegin(), want.rend(), std::uint8_t{1});
           if (range_begin != first || range_end != last) {
@@ -835,7 +861,9 @@ class OpDriver {
       const std::int32_t window = e.below(2) == 0 ? Windows::kDistinctWindows[e.below(Windows::kDistinctWindows.size())]
                                                   : e.range(0, 6);
       const bool want = model_.visible(step_ids_[t], step_pos_[t], row, window);
-      const bool got_v = cache_.visible(static_cast<std::int32_t>(t), row, window);
+      const Result<bool> got_r = cache_.visible(static_cast<std::int32_t>(t), row, window);
+      if (!got_r.ok()) return fail("visible status", "ok", errc_name(got_r.status().code()));
+      const bool got_v = got_r.value();
       if (want != got_v) {
         std::ostringstream what;
         what << "visible(t=" << t << " seq=" << step_ids_[t] << " pos=" << step_pos_[t] << ", row=" << row
@@ -843,6 +871,46 @@ class OpDriver {
         return fail(what.str(), want, got_v);
       }
     }
+    return true;
+  }
+
+  // The step queries refuse, writing nothing: everything (no_step_declared) when no step is placed
+  // or a verb ran since, and the step() handed out is empty; with a step placed, a token outside
+  // [0, T), a negative window, a row outside [0, capacity) (bad_argument) and a mask row shorter than
+  // read_len (bad_shape). Arguments include int32 and int64 extremes.
+  bool check_query_refusals(Entropy& e) {
+    constexpr std::int32_t kMin = std::numeric_limits<std::int32_t>::min(), kMax = std::numeric_limits<std::int32_t>::max();
+    const auto T = placed_ ? static_cast<std::int32_t>(step_ids_.size()) : 0;
+    const std::array<std::int32_t, 6> tokens{0, T - 1, -1, T, kMin, kMax};
+    const std::array<std::int32_t, 5> windows{0, 1, kMax, -1, kMin};
+    const std::array<std::int64_t, 6> rows{0, model_.capacity() - 1, -1, model_.capacity(),
+                                           std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max()};
+    const std::int32_t t = tokens[e.below(tokens.size())], window = windows[e.below(windows.size())];
+    const std::int64_t row = rows[e.below(rows.size())];
+    const bool t_ok = t >= 0 && t < T, window_ok = window >= 0, row_ok = row >= 0 && row < model_.capacity();
+    const auto want = [&](bool args_ok) { return !placed_ ? Errc::no_step_declared : args_ok ? Errc::ok : Errc::bad_argument; };
+    const std::string args = "(t=" + std::to_string(t) + ", row=" + std::to_string(row) + ", window=" + std::to_string(window) + ")";
+
+    if (!placed_) {
+      const StepPlan plan = cache_.step();
+      if (plan.tokens != 0 || !plan.rows.empty() || !plan.seqs.empty() || !plan.positions.empty() ||
+          !plan.segments.empty() || plan.read_len != 0)
+        return fail("step() with no step placed", "empty", std::to_string(plan.tokens) + " tokens");
+    }
+    const Errc got_visible = cache_.visible(t, row, window).status().code();
+    if (got_visible != want(t_ok && window_ok && row_ok)) return fail("visible" + args, errc_name(want(t_ok && window_ok && row_ok)), errc_name(got_visible));
+    if constexpr (!kCellLayout) {
+      const Errc got_range = cache_.visible_range(t, window).status().code();
+      if (got_range != want(t_ok && window_ok)) return fail("visible_range" + args, errc_name(want(t_ok && window_ok)), errc_name(got_range));
+    }
+    // A row one short of read_len (when there is one) is refused too; a refusal writes nothing.
+    const bool short_row = placed_ && step_read_len_ > 0 && e.below(4) == 0;
+    std::vector<std::uint8_t> out(static_cast<std::size_t>(placed_ ? step_read_len_ - (short_row ? 1 : 0) : 3), std::uint8_t{0xA5});
+    const Errc want_mask = want(t_ok && window_ok) == Errc::ok && short_row ? Errc::bad_shape : want(t_ok && window_ok);
+    const Errc got_mask = cache_.mask_row(window, t, out).code();
+    if (got_mask != want_mask) return fail("mask_row" + args + " of " + std::to_string(out.size()), errc_name(want_mask), errc_name(got_mask));
+    if (got_mask != Errc::ok && std::any_of(out.begin(), out.end(), [](std::uint8_t b) { return b != 0xA5; }))
+      return fail("mask_row" + args + " refused", "nothing written", "a row written");
     return true;
   }
 

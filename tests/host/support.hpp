@@ -10,7 +10,7 @@
 
 #include <string>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 
 // Failed checks print a Status by its name.
 template <>
@@ -28,7 +28,7 @@ namespace cellkv::test {
 template <class Cache>
 std::vector<std::int64_t> visible_rows(const Cache& cache, std::int32_t window, std::int32_t t) {
   std::vector<std::uint8_t> row(static_cast<std::size_t>(cache.step().read_len));
-  cache.mask_row(window, t, row);
+  REQUIRE(cache.mask_row(window, t, row).ok());
   std::vector<std::int64_t> out;
   for (std::size_t c = 0; c < row.size(); ++c)
     if (row[c]) out.push_back(static_cast<std::int64_t>(c));

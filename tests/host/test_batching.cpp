@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "cellkv/batching/batching.hpp"
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "batch_checks.hpp"
 #include "support.hpp"
 
@@ -38,8 +38,8 @@ constexpr Method kP = Method::prefill;
 constexpr Method kD = Method::decode;
 
 using Full = Windows<0>;
-using Cells = CellCache<layout::cell, Full>;
-using Slots = CellCache<layout::sequence, Full>;
+using Cells = CellCache<Full>;
+using Slots = SequenceCache<Full>;
 using CellTable = SessionTable<Cells>;
 using SlotTable = SessionTable<Slots>;
 

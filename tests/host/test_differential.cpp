@@ -11,7 +11,7 @@
 #include <string>
 
 #include "after_last_placement.hpp"
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "op_driver.hpp"
 
 namespace {
@@ -120,9 +120,9 @@ constexpr std::int64_t kOps = 3000;  // per run: 12 x 3000 = 36k per layout conf
 
 TEST_CASE("differential: cell layout, lowest_free placement") {
   DriverStats s;
-  s.add(differential<CellCache<layout::cell, Windows<0>, placement::lowest_free, 8>>(1, kRuns, kOps));
-  s.add(differential<CellCache<layout::cell, Windows<0, 3>, placement::lowest_free, 64>>(2, kRuns, kOps));
-  s.add(differential<CellCache<layout::cell, Windows<5, 0, 2>, placement::lowest_free, 256>>(3, kRuns, kOps));
+  s.add(differential<CellCache<Windows<0>, placement::lowest_free, 8>>(1, kRuns, kOps));
+  s.add(differential<CellCache<Windows<0, 3>, placement::lowest_free, 64>>(2, kRuns, kOps));
+  s.add(differential<CellCache<Windows<5, 0, 2>, placement::lowest_free, 256>>(3, kRuns, kOps));
   MESSAGE("cell/lowest_free: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens, ", s.mask_rows_checked,
           " mask rows");
   check_common_coverage(s);
@@ -133,8 +133,8 @@ TEST_CASE("differential: cell layout, lowest_free placement") {
 
 TEST_CASE("differential: cell layout, clustered<4> placement") {
   DriverStats s;
-  s.add(differential<CellCache<layout::cell, Windows<0, 3>, placement::clustered<4>, 8>>(11, kRuns, kOps));
-  s.add(differential<CellCache<layout::cell, Windows<5, 0, 2>, placement::clustered<4>, 64>>(12, kRuns, kOps));
+  s.add(differential<CellCache<Windows<0, 3>, placement::clustered<4>, 8>>(11, kRuns, kOps));
+  s.add(differential<CellCache<Windows<5, 0, 2>, placement::clustered<4>, 64>>(12, kRuns, kOps));
   MESSAGE("cell/clustered<4>: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens");
   check_common_coverage(s);
   check_edit_coverage(s, true);
@@ -144,8 +144,8 @@ TEST_CASE("differential: cell layout, clustered<4> placement") {
 
 TEST_CASE("differential: cell layout, clustered<8> placement") {
   DriverStats s;
-  s.add(differential<CellCache<layout::cell, Windows<0>, placement::clustered<8>, 256>>(21, kRuns, kOps));
-  s.add(differential<CellCache<layout::cell, Windows<5, 0, 2>, placement::clustered<8>, 8>>(22, kRuns, kOps));
+  s.add(differential<CellCache<Windows<0>, placement::clustered<8>, 256>>(21, kRuns, kOps));
+  s.add(differential<CellCache<Windows<5, 0, 2>, placement::clustered<8>, 8>>(22, kRuns, kOps));
   MESSAGE("cell/clustered<8>: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens");
   check_common_coverage(s);
   check_edit_coverage(s, true);
@@ -157,9 +157,9 @@ TEST_CASE("differential: cell layout, clustered<8> placement") {
 // oracle predicts its rows exactly.
 TEST_CASE("differential: cell layout, test::after_last placement") {
   DriverStats s;
-  s.add(differential<CellCache<layout::cell, Windows<0>, test::after_last, 8>>(71, kRuns, kOps));
-  s.add(differential<CellCache<layout::cell, Windows<0, 3>, test::after_last, 64>>(72, kRuns, kOps));
-  s.add(differential<CellCache<layout::cell, Windows<5, 0, 2>, test::after_last, 256>>(73, kRuns, kOps));
+  s.add(differential<CellCache<Windows<0>, test::after_last, 8>>(71, kRuns, kOps));
+  s.add(differential<CellCache<Windows<0, 3>, test::after_last, 64>>(72, kRuns, kOps));
+  s.add(differential<CellCache<Windows<5, 0, 2>, test::after_last, 256>>(73, kRuns, kOps));
   MESSAGE("cell/after_last: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens");
   check_common_coverage(s);
   check_edit_coverage(s, true);
@@ -169,9 +169,9 @@ TEST_CASE("differential: cell layout, test::after_last placement") {
 
 TEST_CASE("differential: sequence layout") {
   DriverStats s;
-  s.add(differential<CellCache<layout::sequence, Windows<0, 3>, placement::none, 8>>(31, kRuns, kOps));
-  s.add(differential<CellCache<layout::sequence, Windows<5, 0, 2>, placement::none, 64>>(32, kRuns, kOps));
-  s.add(differential<CellCache<layout::sequence, Windows<0>, placement::none, 256>>(33, kRuns, kOps));
+  s.add(differential<SequenceCache<Windows<0, 3>, 8>>(31, kRuns, kOps));
+  s.add(differential<SequenceCache<Windows<5, 0, 2>, 64>>(32, kRuns, kOps));
+  s.add(differential<SequenceCache<Windows<0>, 256>>(33, kRuns, kOps));
   MESSAGE("sequence: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens");
   check_common_coverage(s);
   check_edit_coverage(s, false);
@@ -186,9 +186,9 @@ TEST_CASE("differential: wide pools and many sequences") {
   constexpr test::OpMix kMany{.declare_step = 300, .seq_new = 200, .seq_clone = 150, .seq_rm = 60, .rewind = 80,
                               .query = 60, .acknowledge = 100, .copy = 5, .clear = 1};
   DriverStats cells;
-  cells.add(differential<CellCache<layout::cell, Windows<0, 3>, placement::lowest_free, 70>>(
+  cells.add(differential<CellCache<Windows<0, 3>, placement::lowest_free, 70>>(
       41, 3, 2500, {.write_lo = 1, .write_hi = 40, .cells_lo = 65, .cells_hi = 300, .seqs_lo = 0, .seqs_hi = 0}, kMany));
-  cells.add(differential<CellCache<layout::cell, Windows<0, 3>, placement::clustered<4>, 256>>(
+  cells.add(differential<CellCache<Windows<0, 3>, placement::clustered<4>, 256>>(
       42, 3, 2500, {.write_lo = 1, .write_hi = 40, .cells_lo = 65, .cells_hi = 300, .seqs_lo = 60, .seqs_hi = 130},
       kMany));
   MESSAGE("wide cell pools: ", cells.total_ops(), " operations, read_len up to ", cells.max_read_len, ", up to ",
@@ -201,16 +201,16 @@ TEST_CASE("differential: wide pools and many sequences") {
                               .query = 20, .acknowledge = 60, .copy = 5, .clear = 0};
   constexpr Sizes kHuge{.write_lo = 96, .write_hi = 160, .cells_lo = 4200, .cells_hi = 4400, .seqs_lo = 4, .seqs_hi = 12};
   DriverStats huge;
-  huge.add(differential<CellCache<layout::cell, Windows<0>, placement::lowest_free, 256>>(43, 2, 300, kHuge, kGrow));
-  huge.add(differential<CellCache<layout::cell, Windows<0>, placement::clustered<8>, 256>>(44, 2, 300, kHuge, kGrow));
+  huge.add(differential<CellCache<Windows<0>, placement::lowest_free, 256>>(43, 2, 300, kHuge, kGrow));
+  huge.add(differential<CellCache<Windows<0>, placement::clustered<8>, 256>>(44, 2, 300, kHuge, kGrow));
   MESSAGE("pools past 4096 cells: ", huge.total_ops(), " operations, read_len up to ", huge.max_read_len);
   CHECK(huge.max_read_len > 4096);
   CHECK(huge.count(Errc::out_of_cells) > 0);
 
   constexpr Sizes kSlots{.write_lo = 1, .write_hi = 40, .seqs_lo = 0, .seqs_hi = 0, .len_lo = 4, .len_hi = 16};
   DriverStats slots;
-  slots.add(differential<CellCache<layout::sequence, Windows<5, 0, 2>, placement::none, 256>>(45, 3, 2500, kSlots, kMany));
-  slots.add(differential<CellCache<layout::sequence, Windows<0>, placement::none, 70>>(46, 3, 2500, kSlots, kMany));
+  slots.add(differential<SequenceCache<Windows<5, 0, 2>, 256>>(45, 3, 2500, kSlots, kMany));
+  slots.add(differential<SequenceCache<Windows<0>, 70>>(46, 3, 2500, kSlots, kMany));
   MESSAGE("many slots: ", slots.total_ops(), " operations, up to ", slots.max_live, " live sequences");
   CHECK(slots.max_live > 64);
   CHECK(slots.count(Errc::no_free_sequence) > 0);
@@ -224,9 +224,9 @@ TEST_CASE("differential: position tables over several pages, with forks and rewi
                                .query = 20, .acknowledge = 100, .copy = 5, .clear = 2};
   constexpr Sizes kLong{.write_lo = 24, .write_hi = 64, .cells_lo = 300, .cells_hi = 700, .seqs_lo = 2, .seqs_hi = 6};
   DriverStats s;
-  s.add(differential<CellCache<layout::cell, Windows<0, 70>, placement::lowest_free, 8>>(61, 4, 2000, kLong, kForks));
-  s.add(differential<CellCache<layout::cell, Windows<0>, placement::clustered<64>, 8>>(62, 4, 2000, kLong, kForks));
-  s.add(differential<CellCache<layout::cell, Windows<0, 70>, test::after_last, 8>>(63, 4, 2000, kLong, kForks));
+  s.add(differential<CellCache<Windows<0, 70>, placement::lowest_free, 8>>(61, 4, 2000, kLong, kForks));
+  s.add(differential<CellCache<Windows<0>, placement::clustered<64>, 8>>(62, 4, 2000, kLong, kForks));
+  s.add(differential<CellCache<Windows<0, 70>, test::after_last, 8>>(63, 4, 2000, kLong, kForks));
   MESSAGE("multi-page tables: ", s.total_ops(), " operations, up to ", s.max_pages, " pages, longest sequence ",
           s.max_seq_len);
   CHECK(s.max_seq_len > 3 * kPagePositions);
@@ -238,13 +238,13 @@ TEST_CASE("differential: position tables over several pages, with forks and rewi
 // block and a partial tail), max_len 1..3.
 TEST_CASE("differential: tiny pools") {
   DriverStats s;
-  s.add(differential<CellCache<layout::cell, Windows<0, 3>, placement::lowest_free, 8>>(
+  s.add(differential<CellCache<Windows<0, 3>, placement::lowest_free, 8>>(
       51, 6, 1500, {.write_lo = 1, .write_hi = 4, .cells_lo = 1, .cells_hi = 12}));
-  s.add(differential<CellCache<layout::cell, Windows<0, 3>, placement::clustered<8>, 8>>(
+  s.add(differential<CellCache<Windows<0, 3>, placement::clustered<8>, 8>>(
       52, 6, 1500, {.write_lo = 1, .write_hi = 4, .cells_lo = 1, .cells_hi = 12}));
-  s.add(differential<CellCache<layout::cell, Windows<0, 3>, test::after_last, 8>>(
+  s.add(differential<CellCache<Windows<0, 3>, test::after_last, 8>>(
       54, 6, 1500, {.write_lo = 1, .write_hi = 4, .cells_lo = 1, .cells_hi = 12}));
-  s.add(differential<CellCache<layout::sequence, Windows<0, 3>, placement::none, 8>>(
+  s.add(differential<SequenceCache<Windows<0, 3>, 8>>(
       53, 6, 1500, {.write_lo = 1, .write_hi = 4, .len_lo = 1, .len_hi = 3}));
   MESSAGE("tiny pools: ", s.total_ops(), " operations");
   CHECK(s.count(Errc::out_of_cells) > 0);
@@ -260,9 +260,9 @@ TEST_CASE("differential: sequence edits over several pages, pages running out") 
                                .seq_cp = 80, .seq_keep = 2, .seq_add = 150, .seq_div = 40, .pos_range = 10};
   constexpr Sizes kPages{.write_lo = 8, .write_hi = 64, .cells_lo = 400, .cells_hi = 900, .seqs_lo = 2, .seqs_hi = 3};
   DriverStats s;
-  s.add(differential<CellCache<layout::cell, Windows<0, 70>, placement::lowest_free, 8>>(81, 6, 3000, kPages, kEdits));
-  s.add(differential<CellCache<layout::cell, Windows<0>, placement::clustered<64>, 8>>(82, 6, 3000, kPages, kEdits));
-  s.add(differential<CellCache<layout::cell, Windows<0, 70>, test::after_last, 8>>(83, 6, 3000, kPages, kEdits));
+  s.add(differential<CellCache<Windows<0, 70>, placement::lowest_free, 8>>(81, 6, 3000, kPages, kEdits));
+  s.add(differential<CellCache<Windows<0>, placement::clustered<64>, 8>>(82, 6, 3000, kPages, kEdits));
+  s.add(differential<CellCache<Windows<0, 70>, test::after_last, 8>>(83, 6, 3000, kPages, kEdits));
   MESSAGE("edits over pages: ", s.total_ops(), " operations, ", s.edits_ok, " edits applied, ", s.cow_copies,
           " copies and ", s.rotations, " rotations seen pending, up to ", s.max_pages, " pages, ",
           s.count(Errc::out_of_pages), " out_of_pages");

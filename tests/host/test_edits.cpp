@@ -10,15 +10,15 @@
 #include <limits>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "support.hpp"
 
 namespace {
 
 using namespace cellkv;
 using test::Rows;
-using Cell = CellCache<layout::cell, Windows<0, 3>, placement::lowest_free, 8>;
-using Seq = CellCache<layout::sequence, Windows<0, 3>, placement::none, 8>;
+using Cell = CellCache<Windows<0, 3>, placement::lowest_free, 8>;
+using Seq = SequenceCache<Windows<0, 3>, 8>;
 
 constexpr std::int32_t kEnd = -1;  // p1 < 0: no end
 

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "cellkv/batching/executor.hpp"
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "llama/host_llama.hpp"
 #include "batch_checks.hpp"
 #include "executor_cases.hpp"
@@ -29,8 +29,8 @@ using namespace cellkv;
 using namespace cellkv::batching;
 using test::kSessionSampling;
 using Model = Windows<0, 6>;  // a full-history layer and a sliding-window layer
-using Cells = CellCache<layout::cell, Model, placement::lowest_free, 16>;
-using Slots = CellCache<layout::sequence, Model, placement::lowest_free, 16>;
+using Cells = CellCache<Model, placement::lowest_free, 16>;
+using Slots = SequenceCache<Model, 16>;
 
 const llama::Config kConfig{.vocab = 64, .dim = 32, .layers = Model::kLayers, .heads_q = 4, .heads_kv = 2, .head_dim = 8,
                             .ffn = 48, .seed = 7};

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/footprint.hpp"
 #include "support.hpp"
 
@@ -79,8 +79,8 @@ void check_against_formula(const CacheConfig& c, const PoolShape& s, const Devic
   CHECK(got.value().total == want.total());
 }
 
-using CellHost = CellCache<layout::cell, Windows<0, 4, 0>, placement::lowest_free, 8>;
-using SeqHost = CellCache<layout::sequence, Windows<0, 16, 0, 16, 5>, placement::lowest_free, 8>;
+using CellHost = CellCache<Windows<0, 4, 0>, placement::lowest_free, 8>;
+using SeqHost = SequenceCache<Windows<0, 16, 0, 16, 5>, 8>;
 
 constexpr PoolShape kShape{.layers = 3, .heads_kv = 2, .head_dim = 64, .heads_q = 8};
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "after_last_placement.hpp"
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "support.hpp"
 
 namespace {
@@ -73,14 +73,14 @@ static_assert(!Placement<missing_freed> && !Placement<placement::none> && !Place
 static_assert(Layout<layout::cell> && Layout<layout::sequence> && !Layout<missing_rows>);
 static_assert(PlacementFor<test::after_last, layout::cell> && !PlacementFor<placement::none, layout::cell>);
 static_assert(PlacementFor<placement::none, layout::sequence> && !PlacementFor<missing_freed, layout::sequence>);
-static_assert(std::is_same_v<CellCache<layout::cell, W>::PlacementPolicy, placement::lowest_free>);
-static_assert(std::is_same_v<CellCache<layout::sequence, W>::PlacementPolicy, placement::none>);
-static_assert(std::is_same_v<CellCache<layout::sequence, W, placement::lowest_free>::PlacementPolicy, placement::none>);
+static_assert(std::is_same_v<CellCache<W>::PlacementPolicy, placement::lowest_free>);
+static_assert(std::is_same_v<SequenceCache<W>::PlacementPolicy, placement::none>);
+static_assert(std::is_same_v<KVCache<layout::sequence, W, placement::lowest_free>::PlacementPolicy, placement::none>);
 
-using Lowest = CellCache<layout::cell, W, placement::lowest_free, 16>;
-using Clustered4 = CellCache<layout::cell, W, placement::clustered<4>, 16>;
-using Clustered8 = CellCache<layout::cell, W, placement::clustered<8>, 16>;
-using AfterLast = CellCache<layout::cell, W, test::after_last, 16>;
+using Lowest = CellCache<W, placement::lowest_free, 16>;
+using Clustered4 = CellCache<W, placement::clustered<4>, 16>;
+using Clustered8 = CellCache<W, placement::clustered<8>, 16>;
+using AfterLast = CellCache<W, test::after_last, 16>;
 
 struct Policies {
   Lowest lowest;
@@ -139,7 +139,7 @@ TEST_CASE("the same script under lowest_free, clustered<B> and after_last gives 
 }
 
 TEST_CASE("clustered<B>: interleaved decoding sequences fill aligned blocks of their own") {
-  CellCache<layout::cell, W, placement::clustered<4>> cache({.max_write = 8, .max_cells = 64});
+  CellCache<W, placement::clustered<4>> cache({.max_write = 8, .max_cells = 64});
   std::vector<std::int32_t> ids;
   for (int s = 0; s < 3; ++s) ids.push_back(cache.seq_new().value());
   for (int step = 0; step < 8; ++step) REQUIRE(cache.declare_step(ids).ok());  // a b c a b c ...
@@ -155,14 +155,14 @@ TEST_CASE("clustered<B>: interleaved decoding sequences fill aligned blocks of t
       }
   }
   // lowest_free interleaves the same steps: every block of 4 mixes the three sequences.
-  CellCache<layout::cell, W> seed_policy({.max_write = 8, .max_cells = 64});
+  CellCache<W> seed_policy({.max_write = 8, .max_cells = 64});
   for (int s = 0; s < 3; ++s) REQUIRE(seed_policy.seq_new().ok());
   for (int step = 0; step < 8; ++step) REQUIRE(seed_policy.declare_step(ids).ok());
   CHECK(seed_policy.cell_owners(0).first() != seed_policy.cell_owners(1).first());
 }
 
 TEST_CASE("clustered<B>: a new block is the lowest fully free one; no free block falls back to any cell") {
-  CellCache<layout::cell, W, placement::clustered<4>> cache({.max_write = 8, .max_cells = 12});
+  CellCache<W, placement::clustered<4>> cache({.max_write = 8, .max_cells = 12});
   const auto a = cache.seq_new().value();
   const auto b = cache.seq_new().value();
   const auto c = cache.seq_new().value();
@@ -185,7 +185,7 @@ TEST_CASE("clustered<B>: a new block is the lowest fully free one; no free block
 }
 
 TEST_CASE("test::after_last: each token follows its sequence's last cell, wrapping to the lowest free") {
-  CellCache<layout::cell, W, test::after_last> cache({.max_write = 8, .max_cells = 8});
+  CellCache<W, test::after_last> cache({.max_write = 8, .max_cells = 8});
   const auto a = cache.seq_new().value();
   const auto b = cache.seq_new().value();
   const std::vector<std::int32_t> ab{a, b};

@@ -14,14 +14,14 @@
 #include <tuple>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/sharing_planner.hpp"
 #include "cellkv/visibility.hpp"
 
 namespace {
 
 using namespace cellkv;
-using Cache = CellCache<layout::cell, Windows<0>, placement::lowest_free, 64>;
+using Cache = CellCache<Windows<0>, placement::lowest_free, 64>;
 constexpr std::int32_t kWindows[] = {0, 1, 40, 64, 150, 700};
 
 // The plan's arrays, owned.

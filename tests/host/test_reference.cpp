@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/reference.hpp"
 #include "support.hpp"
 
@@ -64,7 +64,7 @@ TEST_CASE("reference attend: GQA maps query head h to KV head h / g; nothing vis
 }
 
 TEST_CASE("reference update_and_attend: writes the step's rows, then attends through the cache's mask") {
-  using Cache = CellCache<layout::cell, Windows<0, 1>>;
+  using Cache = CellCache<Windows<0, 1>>;
   Cache cache({.max_write = 4, .max_cells = 8});
   Pool pool{std::vector<double>(8, -5), std::vector<double>(8, -5)};  // 8 rows, 1 head, D = 1
   const std::vector<double> q{1, 1}, k{0, 0}, v{3, 5};

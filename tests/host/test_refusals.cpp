@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "support.hpp"
 
 namespace {
@@ -90,22 +90,22 @@ void check_common_refusals(const CacheConfig& config) {
 }  // namespace
 
 TEST_CASE("refusals leave the cell-layout cache identical") {
-  using Cache = CellCache<layout::cell, W, placement::lowest_free, 8>;
+  using Cache = CellCache<W, placement::lowest_free, 8>;
   check_common_refusals<Cache>({.max_write = 6, .max_cells = 12, .max_seqs = 4});
 }
 
 TEST_CASE("refusals leave the clustered cell-layout cache identical") {
-  using Cache = CellCache<layout::cell, W, placement::clustered<4>, 8>;
+  using Cache = CellCache<W, placement::clustered<4>, 8>;
   check_common_refusals<Cache>({.max_write = 6, .max_cells = 12, .max_seqs = 4});
 }
 
 TEST_CASE("refusals leave the sequence-layout cache identical") {
-  using Cache = CellCache<layout::sequence, W, placement::lowest_free, 8>;
+  using Cache = SequenceCache<W, 8>;
   check_common_refusals<Cache>({.max_write = 6, .max_seqs = 4, .max_len = 6});
 }
 
 TEST_CASE("cell layout: a step needs as many free cells as tokens") {
-  using Cache = CellCache<layout::cell, W, placement::lowest_free, 8>;
+  using Cache = CellCache<W, placement::lowest_free, 8>;
   auto cache = busy_cache<Cache>({.max_write = 8, .max_cells = 12});  // 7 cells free
   const Cache before = cache;
   const std::vector<std::int32_t> eight(8, 0);
@@ -116,7 +116,7 @@ TEST_CASE("cell layout: a step needs as many free cells as tokens") {
 }
 
 TEST_CASE("sequence layout: a step may not push a sequence past max_len") {
-  using Cache = CellCache<layout::sequence, W, placement::lowest_free, 8>;
+  using Cache = SequenceCache<W, 8>;
   auto cache = busy_cache<Cache>({.max_write = 8, .max_seqs = 4, .max_len = 6});  // seq 0 at 4, seq 1 at 3
   const Cache before = cache;
   const std::vector<std::int32_t> ids{1, 0, 0, 0};
@@ -126,7 +126,7 @@ TEST_CASE("sequence layout: a step may not push a sequence past max_len") {
 }
 
 TEST_CASE("a refused declaration keeps the placed step") {
-  using Cache = CellCache<layout::cell, W, placement::lowest_free, 8>;
+  using Cache = CellCache<W, placement::lowest_free, 8>;
   auto cache = busy_cache<Cache>({.max_write = 6, .max_cells = 12});
   const auto serial = cache.step_serial();
   CHECK(cache.declare_step({}).status() == Errc::empty_step);
@@ -135,8 +135,8 @@ TEST_CASE("a refused declaration keeps the placed step") {
 }
 
 TEST_CASE("invalid sizes are refused at construction") {
-  using Cells = CellCache<layout::cell, W, placement::lowest_free, 8>;
-  using Slots = CellCache<layout::sequence, W, placement::lowest_free, 8>;
+  using Cells = CellCache<W, placement::lowest_free, 8>;
+  using Slots = SequenceCache<W, 8>;
   CHECK(Cells::validate({.max_write = 0, .max_cells = 4}) == Errc::bad_argument);
   CHECK(Cells::validate({.max_write = 2, .max_cells = 0}) == Errc::bad_argument);
   CHECK(Cells::validate({.max_write = 2, .max_cells = 4, .max_seqs = 9}) == Errc::bad_argument);
@@ -147,7 +147,7 @@ TEST_CASE("invalid sizes are refused at construction") {
 }
 
 TEST_CASE("value() of a refused result throws; it never passes for a value") {
-  CellCache<layout::cell, Windows<0>> cache({.max_write = 2, .max_cells = 4, .max_seqs = 1});
+  CellCache<Windows<0>> cache({.max_write = 2, .max_cells = 4, .max_seqs = 1});
   REQUIRE(cache.seq_new().value() == 0);
   const Result<std::int32_t> none = cache.seq_new();  // every id is live
   REQUIRE(none.status() == Errc::no_free_sequence);

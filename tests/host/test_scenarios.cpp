@@ -8,7 +8,7 @@
 #include <span>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "support.hpp"
 
 namespace {
@@ -22,8 +22,8 @@ using test::step_rows;
 using test::visible_rows;
 
 using Full = Windows<0>;
-using Cells = CellCache<layout::cell, Full>;
-using Slots = CellCache<layout::sequence, Full>;
+using Cells = CellCache<Full>;
+using Slots = SequenceCache<Full>;
 
 Cells make_cells(std::int32_t max_cells = 16) { return Cells({.max_write = 8, .max_cells = max_cells}); }
 Slots make_slots() { return Slots({.max_write = 8, .max_seqs = 4, .max_len = 10}); }
@@ -107,7 +107,7 @@ TEST_CASE("cell layout: decode of one sequence and prefill of another in one ste
 
 TEST_CASE("cell layout: windows narrow by position, one buffer per window") {
   using W = Windows<0, 2, 0, 2>;
-  CellCache<layout::cell, W> cache({.max_write = 8, .max_cells = 16});
+  CellCache<W> cache({.max_write = 8, .max_cells = 16});
   const auto a = cache.seq_new().value();
   REQUIRE(declare(cache, {a, a, a, a}).ok());
   static_assert(W::kDistinct == 2);
@@ -287,8 +287,8 @@ TEST_CASE("sequence layout: prefill, decode and a second sequence") {
   CHECK(cache.step().read_len == 12);
   CHECK(visible_rows(cache, 0, 0) == Rows{0, 1, 2, 3});
   CHECK(visible_rows(cache, 0, 2) == Rows{10, 11});
-  CHECK(cache.visible_range(0, 0) == RowRange{0, 4});
-  CHECK(cache.visible_range(0, 2) == RowRange{2, 4});
+  CHECK(cache.visible_range(0, 0).value() == RowRange{0, 4});
+  CHECK(cache.visible_range(0, 2).value() == RowRange{2, 4});
   CHECK(cache.free_cells() == 40 - 6);
 }
 

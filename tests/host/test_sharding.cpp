@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/host_pool.hpp"
 #include "cellkv/reference.hpp"
 #include "cellkv/sharding.hpp"
@@ -139,7 +139,7 @@ TEST_CASE("shard_weights: column splits reproduce the model's columns, row split
 
 TEST_CASE_TEMPLATE("one host plan drives every shard: shard attention equals the model's columns", L, layout::cell,
                    layout::sequence) {
-  using Cache = CellCache<L, Windows<0, 3>>;  // layer 0 full attention, layer 1 a window of 3
+  using Cache = KVCache<L, Windows<0, 3>>;  // layer 0 full attention, layer 1 a window of 3
   const CacheConfig config{8, 96, 6, 16};
   constexpr std::int32_t kHeadsQ = 8, kHeadsKv = 4, kD = 4, kShards = 2, kGroup = kHeadsQ / kHeadsKv;
   Cache cache(config);

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/host_pool.hpp"
 #include "cellkv/sequence_state.hpp"
 #include "support.hpp"
@@ -18,9 +18,9 @@ namespace {
 
 using namespace cellkv;
 using Model = Windows<0, 3>;
-using Lowest = CellCache<layout::cell, Model, placement::lowest_free, 8>;
-using Clustered = CellCache<layout::cell, Model, placement::clustered<4>, 8>;
-using Slots = CellCache<layout::sequence, Model, placement::none, 8>;
+using Lowest = CellCache<Model, placement::lowest_free, 8>;
+using Clustered = CellCache<Model, placement::clustered<4>, 8>;
+using Slots = SequenceCache<Model, 8>;
 constexpr std::uint32_t kF32 = 7;  // the tests' dtype tag for float
 constexpr std::int32_t kLayers = 2, kHeads = 2, kDim = 3;
 
@@ -197,7 +197,7 @@ TEST_CASE("state: malformed input is refused naming the reason, changing nothing
     HostPool<float> deeper(kLayers + 1, 40, kHeads, kDim);
     check_refused(dst, deeper, bytes, Errc::state_mismatch);
     check_refused(dst, pool, bytes, Errc::state_mismatch, kF32 + 1);
-    CellCache<layout::cell, Windows<0, 4>, placement::lowest_free, 8> windows({.max_write = 8, .max_cells = 40});
+    CellCache<Windows<0, 4>, placement::lowest_free, 8> windows({.max_write = 8, .max_cells = 40});
     const auto before = windows;
     CHECK(restore_sequence(windows, pool, bytes, kF32).status() == Errc::state_mismatch);
     CHECK(windows == before);

@@ -25,7 +25,7 @@
 
 #include "cellkv/batching/philox.hpp"
 #include "cellkv/batching/sampling.hpp"
-#include "cellkv/cuda/error.hpp"
+#include "cellkv/gpu/error.hpp"
 #include "cellkv/status.hpp"
 
 namespace cellkv::batching {

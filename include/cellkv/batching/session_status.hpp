@@ -101,7 +101,22 @@ class [[nodiscard]] SessionStatus {
   SessionId session_ = 0;
 };
 
-// A value or the SessionStatus saying why there is none.
+// What SessionResult::value() throws on a refused result: a BadResultAccess (its code() is the core
+// reason) that also carries the whole SessionStatus (detail and session).
+class BadSessionResultAccess : public BadResultAccess {
+ public:
+  explicit BadSessionResultAccess(const SessionStatus& s) noexcept : BadResultAccess(s.code()), status_(s) {}
+  [[nodiscard]] const SessionStatus& status() const noexcept { return status_; }
+  [[nodiscard]] const char* what() const noexcept override {
+    return "cellkv::batching::SessionResult::value() on a refused result (status() says why)";
+  }
+
+ private:
+  SessionStatus status_;
+};
+
+// A value or the SessionStatus saying why there is none. value() on a refused result throws
+// BadSessionResultAccess (as Result::value() does); check ok() or use value_or().
 template <class T>
 class [[nodiscard]] SessionResult {
  public:
@@ -112,8 +127,14 @@ class [[nodiscard]] SessionResult {
 
   [[nodiscard]] constexpr bool ok() const noexcept { return status_.ok(); }
   [[nodiscard]] constexpr const SessionStatus& status() const noexcept { return status_; }
-  [[nodiscard]] constexpr const T& value() const& noexcept { return value_; }
-  [[nodiscard]] constexpr T& value() & noexcept { return value_; }
+  [[nodiscard]] constexpr const T& value() const& {
+    if (!ok()) throw BadSessionResultAccess(status_);
+    return value_;
+  }
+  [[nodiscard]] constexpr T& value() & {
+    if (!ok()) throw BadSessionResultAccess(status_);
+    return value_;
+  }
   [[nodiscard]] constexpr T value_or(T fallback) const { return ok() ? value_ : fallback; }
   constexpr explicit operator bool() const noexcept { return ok(); }
 

@@ -1,7 +1,7 @@
 // cellkv/batching/session_table.hpp - sessions (a prompt, a generation budget, a way to sample)
 // packed into steps.
 //
-//   cellkv::CellCache<cellkv::layout::cell, cellkv::Windows<0>> cache({.max_write = 8, .max_cells = 4096});
+//   cellkv::CellCache<cellkv::Windows<0>> cache({.max_write = 8, .max_cells = 4096});
 //   cellkv::batching::SessionTable table(cache, {.max_write = 8, .min_prefill_tokens = 2,
 //                                                .max_tokens_per_session = 1024, .vocab = 32000});
 //   const auto id = table.add(prompt, 16, {.temperature = 0.7f, .top_p = 0.9f, .seed = 42}).value();
@@ -133,7 +133,7 @@ struct RewindPoint {
   friend bool operator==(const RewindPoint&, const RewindPoint&) = default;
 };
 
-// The verbs a table needs: cellkv::CellCache and cellkv::gpu::DeviceCache have them.
+// The verbs a table needs: cellkv::KVCache and cellkv::gpu::DeviceCache have them.
 template <class C>
 concept SessionCache = requires(C& c, std::int32_t s) {
   { c.seq_new() } -> std::same_as<Result<std::int32_t>>;

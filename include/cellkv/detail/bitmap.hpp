@@ -5,6 +5,7 @@
 #pragma once
 
 #include <bit>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -23,6 +24,12 @@ class Bitmap {
     summary_.assign((words_.size() + 63) / 64, 0);
     for (std::size_t w = 0; w < words_.size(); ++w)
       if (words_[w] != 0) summary_[w >> 6] |= std::uint64_t{1} << (w & 63);
+  }
+
+  // Heap bytes of a bitmap of n bits (both levels).
+  static constexpr std::size_t bytes(std::int64_t n) noexcept {
+    const auto words = static_cast<std::size_t>((n + 63) / 64);
+    return 8 * (words + (words + 63) / 64);
   }
 
   [[nodiscard]] std::int64_t size() const noexcept { return size_; }

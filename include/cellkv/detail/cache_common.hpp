@@ -14,17 +14,19 @@
 //   void    clear_rows()                                   // release everything
 //   void    for_each_visible_row(int32_t seq, int32_t lo_pos, int32_t hi_pos, F f)
 //   int32_t row_pos(int64_t row), bool row_owned_by(int64_t row, int32_t seq)
+//   static Status validate_rows(const CacheConfig&)      // the layout's sizes (max_seqs filled in)
+//   static size_t layout_host_bytes(const CacheConfig&)  // the layout's host bytes, once valid
 //   int32_t first_position(int32_t seq)                    // lowest held position, -1 when none
 //   Result<int32_t> remove_positions(int32_t seq, int32_t lo, int32_t hi)
 //   Result<int32_t> copy_positions(int32_t src, int32_t dst, int32_t lo, int32_t hi)
 //   Result<int32_t> move_positions(int32_t seq, int32_t lo, int32_t hi, F to)  // to(int64 p) -> int64
+//                    the edits of docs/design.md section 4 ("Sequence edits") on positions [lo, hi)
+//                    (0 <= lo, hi <= pos(seq); src's for a copy), returning the edited sequence's new
+//                    length, or the refusal, having changed nothing
 //   Status  room_for_restore(span<const int32_t> positions) // resources for a restored sequence
 //   void    restore_rows(int32_t seq, span<const int32_t> positions)  // fresh rows for them
 //   int64_t row_at(int32_t seq, int32_t pos)              // row of a held position, -1 for a hole
 //   void    for_each_held(int32_t seq, F f)               // f(pos, row) for held positions, ascending
-//                    the edits of docs/design.md section 4 ("Sequence edits") on positions [lo, hi)
-//                    (0 <= lo, hi <= pos(seq); src's for a copy), returning the edited sequence's new
-//                    length, or the refusal, having changed nothing
 //
 // Invariant: sequence s holds positions in [0, pos(s)), position pos(s) - 1 among them; the
 // positions below it it does not hold are holes (only a range edit makes them).
@@ -47,8 +49,13 @@
 
 namespace cellkv::detail {
 
+inline constexpr std::int64_t kInt32Max = 2147483647;
+
 template <class Derived, WindowSet W, std::int32_t MaxSeqs>
 class CacheCommon {
+  static_assert(MaxSeqs >= 1 && MaxSeqs <= kMaxSeqsLimit,
+                "cellkv::KVCache<..., MaxSeqs>: MaxSeqs must lie in [1, 65536]");
+
  public:
   using Windows = W;
   using Owners = SeqSet<MaxSeqs>;
@@ -79,8 +86,10 @@ class CacheCommon {
     return step();
   }
 
-  // The placed step. Precondition: step_placed().
+  // The placed step, or an empty one (tokens 0, no rows, read_len 0, the last serial) when no step
+  // is placed or a verb ran since: a stale step is never handed out. require_step() tells which.
   [[nodiscard]] StepPlan step() const noexcept {
+    if (!placed_) return StepPlan{0, {}, {}, {}, {}, 0, serial_};
     const auto T = static_cast<std::size_t>(step_tokens_);
     return StepPlan{step_tokens_,
                     std::span<const std::int64_t>(step_rows_.data(), T),
@@ -267,26 +276,57 @@ class CacheCommon {
   [[nodiscard]] std::int64_t used_end() const { return self().occupied_end(); }
 
   // Visibility of `row` to token t of the placed step through a layer of window `window`
-  // (docs/design.md section 3), computed from the row's metadata. Precondition: t < step().tokens.
-  [[nodiscard]] bool visible(std::int32_t t, std::int64_t row, std::int32_t window) const {
-    const std::int32_t s = step_seqs_[t], p = step_pos_[t];
+  // (docs/design.md section 3), computed from the row's metadata. Refuses no_step_declared when no
+  // step is placed (or a verb ran since), bad_argument for t outside [0, T), a row outside
+  // [0, capacity()) or a negative window.
+  [[nodiscard]] Result<bool> visible(std::int32_t t, std::int64_t row, std::int32_t window) const {
+    if (const Status s = check_query(t, window); !s.ok()) return s.code();
+    if (row < 0 || row >= self().capacity()) return Errc::bad_argument;
+    const std::int32_t s = step_seqs_[static_cast<std::size_t>(t)], p = step_pos_[static_cast<std::size_t>(t)];
     const std::int32_t rp = self().row_pos(row);
     return rp >= 0 && self().row_owned_by(row, s) && sees(window, p, rp);
   }
 
-  // Mask row of token t for window `window` over columns [0, out.size()); out.size() >= read_len.
-  // 1 = visible. Cost: O(out.size()) to clear plus O(visible rows).
-  void mask_row(std::int32_t window, std::int32_t t, std::span<std::uint8_t> out) const {
+  // Mask row of token t for window `window` over columns [0, out.size()); 1 = visible. Refuses,
+  // writing nothing, what visible() refuses and an `out` shorter than read_len (bad_shape).
+  // Cost: O(out.size()) to clear plus O(visible rows).
+  Status mask_row(std::int32_t window, std::int32_t t, std::span<std::uint8_t> out) const {
+    if (const Status s = check_query(t, window); !s.ok()) return s;
+    if (static_cast<std::int64_t>(out.size()) < read_len_) return Errc::bad_shape;
     std::fill(out.begin(), out.end(), std::uint8_t{0});
-    const PositionRange seen = visible_positions(window, step_pos_[t]);
-    self().for_each_visible_row(step_seqs_[t], seen.begin, seen.end,
+    const PositionRange seen = visible_positions(window, step_pos_[static_cast<std::size_t>(t)]);
+    self().for_each_visible_row(step_seqs_[static_cast<std::size_t>(t)], seen.begin, seen.end,
                                 [&](std::int64_t row) { out[static_cast<std::size_t>(row)] = 1; });
+    return {};
   }
 
-  // Validates sizes without building: the reason a config would be refused, or ok.
+  // Validates sizes without building: the reason a config would be refused, or ok. bad_argument:
+  // max_write < 1, max_seqs outside [0, MaxSeqs], max_cells < 1 (cell layout), max_len < 1
+  // (sequence layout). size_overflow: an index past int32 (4 max_write table writes per step; the
+  // cell layout's position table; the sequence layout's max_seqs x max_len rows plus the scratch row).
   static Status validate(const CacheConfig& c) {
     if (c.max_write < 1 || c.max_seqs < 0 || c.max_seqs > MaxSeqs) return Errc::bad_argument;
-    return Derived::validate_rows(c);
+    if (c.max_write > kInt32Max / 4) return Errc::size_overflow;
+    return Derived::validate_rows(normalized(c));
+  }
+
+  // Host bytes a cache of `config` holds at most: its own object, the step arrays, the per-sequence
+  // arrays and the layout's (detail::*_layout_cache.hpp says what each counts). Refuses what
+  // validate refuses. Check it, or fits_within, before building a cache from untrusted sizes.
+  static Result<std::size_t> host_bytes(const CacheConfig& config) {
+    if (const Status s = validate(config); !s.ok()) return s.code();
+    const CacheConfig c = normalized(config);
+    const auto step = static_cast<std::size_t>(c.max_write) * (8 + 4 + 4 + sizeof(Segment));
+    const auto seqs = static_cast<std::size_t>(MaxSeqs) * 8;
+    return sizeof(Derived) + step + seqs + Derived::layout_host_bytes(c);
+  }
+
+  // Ok when a cache of `config` holds at most `budget` host bytes (host_bytes); out_of_memory when
+  // it would hold more, and what validate refuses.
+  static Status fits_within(const CacheConfig& config, std::size_t budget) {
+    const Result<std::size_t> bytes = host_bytes(config);
+    if (!bytes.ok()) return bytes.status();
+    return bytes.value() <= budget ? Status{} : Status{Errc::out_of_memory};
   }
 
   friend bool operator==(const CacheCommon&, const CacheCommon&) = default;
@@ -294,7 +334,7 @@ class CacheCommon {
  protected:
   explicit CacheCommon(CacheConfig config) : config_(normalized(config)) {
     if (const Status s = validate(config_); !s.ok())
-      throw std::invalid_argument("cellkv::CellCache: invalid CacheConfig (" + std::string(s.message()) + ")");
+      throw std::invalid_argument("cellkv::KVCache: invalid CacheConfig (" + std::string(s.message()) + ")");
     const auto w = static_cast<std::size_t>(config_.max_write);
     step_rows_.assign(w, 0);
     step_seqs_.assign(w, 0);
@@ -305,6 +345,13 @@ class CacheCommon {
   }
 
   [[nodiscard]] std::int32_t length(std::int32_t s) const noexcept { return len_[s]; }
+
+  // The gate of every query about token t of the placed step (visible, mask_row, visible_range).
+  [[nodiscard]] Status check_query(std::int32_t t, std::int32_t window) const noexcept {
+    if (!placed_) return Errc::no_step_declared;
+    if (t < 0 || t >= step_tokens_ || window < 0) return Errc::bad_argument;
+    return {};
+  }
 
  private:
   static CacheConfig normalized(CacheConfig c) {

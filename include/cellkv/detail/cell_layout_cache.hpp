@@ -1,4 +1,4 @@
-// cellkv/detail/cell_layout_cache.hpp - CellCache for layout::cell (include cellkv/cell_cache.hpp).
+// cellkv/detail/cell_layout_cache.hpp - KVCache for layout::cell (include cellkv/kv_cache.hpp).
 //
 // Per cell: pos (int32, -1 = free) and owners (SeqSet). Per sequence: the cell of each position, in
 // a PositionTable (pages of positions shared between forks; the device keeps a copy of it, which
@@ -21,7 +21,7 @@
 #include <span>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/detail/bitmap.hpp"
 #include "cellkv/detail/cache_common.hpp"
 #include "cellkv/position_table.hpp"
@@ -29,9 +29,9 @@
 namespace cellkv {
 
 template <WindowSet W, Placement P, std::int32_t MaxSeqs>
-class CellCache<layout::cell, W, P, MaxSeqs>
-    : public detail::CacheCommon<CellCache<layout::cell, W, P, MaxSeqs>, W, MaxSeqs> {
-  using Base = detail::CacheCommon<CellCache, W, MaxSeqs>;
+class KVCache<layout::cell, W, P, MaxSeqs>
+    : public detail::CacheCommon<KVCache<layout::cell, W, P, MaxSeqs>, W, MaxSeqs> {
+  using Base = detail::CacheCommon<KVCache, W, MaxSeqs>;
   friend Base;
 
  public:
@@ -39,8 +39,9 @@ class CellCache<layout::cell, W, P, MaxSeqs>
   using PlacementPolicy = P;
   using typename Base::Owners;
 
-  // Throws std::invalid_argument when validate(config) refuses it.
-  explicit CellCache(const CacheConfig& config) : Base(config), placement_(this->config().max_cells) {
+  // Throws std::invalid_argument when validate(config) refuses it, std::bad_alloc when host memory
+  // runs out (fits_within(config, budget) checks that first).
+  explicit KVCache(const CacheConfig& config) : Base(config), placement_(this->config().max_cells) {
     const std::int32_t n = this->config().max_cells;
     cell_pos_.assign(static_cast<std::size_t>(n), -1);
     owners_.assign(static_cast<std::size_t>(n), Owners{});
@@ -84,14 +85,24 @@ class CellCache<layout::cell, W, P, MaxSeqs>
     rotations_.clear();
   }
 
-  friend bool operator==(const CellCache&, const CellCache&) = default;
+  friend bool operator==(const KVCache&, const KVCache&) = default;
 
  private:
-  // max_cells >= 1, and the position table's flat array indexable by int32.
+  // max_cells >= 1 (bad_argument), and the position table's flat array indexable by int32
+  // (size_overflow). `c` has max_seqs filled in.
   static Status validate_rows(const CacheConfig& c) {
-    const std::int32_t seqs = c.max_seqs == 0 ? MaxSeqs : c.max_seqs;
-    const bool ok = c.max_cells >= 1 && PositionTable::flat_size(seqs, c.max_cells) < (std::int64_t{1} << 31);
-    return ok ? Status{} : Status{Errc::bad_argument};
+    if (c.max_cells < 1) return Errc::bad_argument;
+    return PositionTable::flat_size(c.max_seqs, c.max_cells) <= detail::kInt32Max ? Status{} : Status{Errc::size_overflow};
+  }
+  // Per cell: position, owners, two bitmap bits; the position table at its fullest; the placement's
+  // own state (placement_host_bytes). `c` passed validate_rows.
+  static std::size_t layout_host_bytes(const CacheConfig& c) {
+    const auto n = static_cast<std::size_t>(c.max_cells);
+    // Per cell also its rotation index and at most one pending rotation; the pending copy-on-write
+    // copies are not counted (they grow with the edits until acknowledged, as fork copies do).
+    return n * (2 * sizeof(std::int32_t) + sizeof(Owners) + sizeof(RowRotation)) + 2 * detail::Bitmap::bytes(c.max_cells) +
+           static_cast<std::size_t>(PositionTable::host_bytes(c.max_seqs, c.max_cells)) +
+           placement_host_bytes<P>(c.max_cells);
   }
 
   // ---- hooks for CacheCommon ----

@@ -1,4 +1,4 @@
-// cellkv/detail/sequence_layout_cache.hpp - CellCache for layout::sequence (include cellkv/cell_cache.hpp).
+// cellkv/detail/sequence_layout_cache.hpp - KVCache for layout::sequence (include cellkv/kv_cache.hpp).
 //
 // Sequence s owns slot s: rows [s * max_len, (s + 1) * max_len); position p lives at row
 // s * max_len + p. No per-row metadata is needed: a row is occupied iff its position is below its
@@ -15,24 +15,25 @@
 #include <span>
 #include <vector>
 
-#include "cellkv/cell_cache.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/detail/cache_common.hpp"
 
 namespace cellkv {
 
 // P is placement::none (the default); a cell placement named here is ignored (layout.hpp).
 template <WindowSet W, PlacementFor<layout::sequence> P, std::int32_t MaxSeqs>
-class CellCache<layout::sequence, W, P, MaxSeqs>
-    : public detail::CacheCommon<CellCache<layout::sequence, W, P, MaxSeqs>, W, MaxSeqs> {
-  using Base = detail::CacheCommon<CellCache, W, MaxSeqs>;
+class KVCache<layout::sequence, W, P, MaxSeqs>
+    : public detail::CacheCommon<KVCache<layout::sequence, W, P, MaxSeqs>, W, MaxSeqs> {
+  using Base = detail::CacheCommon<KVCache, W, MaxSeqs>;
   friend Base;
 
  public:
   using Layout = layout::sequence;
   using PlacementPolicy = placement::none;  // a sequence's rows are its slot
 
-  // Throws std::invalid_argument when validate(config) refuses it.
-  explicit CellCache(const CacheConfig& config) : Base(config) {}
+  // Throws std::invalid_argument when validate(config) refuses it, std::bad_alloc when host memory
+  // runs out (fits_within(config, budget) checks that first).
+  explicit KVCache(const CacheConfig& config) : Base(config) {}
 
   [[nodiscard]] std::int32_t max_len() const noexcept { return this->config().max_len; }
   // Positions a sequence can reach: [0, max_len).
@@ -46,32 +47,41 @@ class CellCache<layout::sequence, W, P, MaxSeqs>
     return static_cast<std::int64_t>(seq) * max_len();
   }
 
-  // Visible rows [begin, end) of token t of the placed step through window `window`.
-  [[nodiscard]] RowRange visible_range(std::int32_t t, std::int32_t window) const {
+  // Visible rows [begin, end) of token t of the placed step through window `window`. Refuses what
+  // visible() refuses (no_step_declared, bad_argument).
+  [[nodiscard]] Result<RowRange> visible_range(std::int32_t t, std::int32_t window) const {
+    if (const Status s = this->check_query(t, window); !s.ok()) return s.code();
     const StepPlan plan = this->step();
     const std::int32_t p = plan.positions[static_cast<std::size_t>(t)];
     const auto base = static_cast<std::int32_t>(slot_begin(plan.seqs[static_cast<std::size_t>(t)]));
-    const std::int32_t lo = window == 0 ? 0 : std::max(0, p - window + 1);
-    return {base + lo, base + p + 1};
+    return RowRange{base + visible_begin(window, p), base + p + 1};  // < max_seqs x max_len <= INT32_MAX
   }
 
   // Fork copies since the last acknowledge_changes(), in the order to run them.
   [[nodiscard]] PendingChanges pending_changes() const noexcept { return {copies_, {}, {}}; }
   void acknowledge_changes() noexcept { copies_.clear(); }
 
-  friend bool operator==(const CellCache&, const CellCache&) = default;
+  friend bool operator==(const KVCache&, const KVCache&) = default;
 
  private:
+  // max_len >= 1 (bad_argument); max_seqs x max_len rows + max_write within int32 (size_overflow):
+  // every row, the scratch row after them, and a position plus a step's tokens stay indexable.
+  // `c` has max_seqs filled in.
   static Status validate_rows(const CacheConfig& c) {
-    const std::int64_t seqs = c.max_seqs == 0 ? MaxSeqs : c.max_seqs;
-    const bool ok = c.max_len >= 1 && seqs * c.max_len < (std::int64_t{1} << 31);
-    return ok ? Status{} : Status{Errc::bad_argument};
+    if (c.max_len < 1) return Errc::bad_argument;
+    const std::int64_t rows = static_cast<std::int64_t>(c.max_seqs) * c.max_len;
+    return rows + c.max_write <= detail::kInt32Max ? Status{} : Status{Errc::size_overflow};
   }
+  // No per-row state: the pending fork copies only, one per seq_clone until acknowledge_changes
+  // (not counted: they grow with the forks, not with the sizes).
+  static std::size_t layout_host_bytes(const CacheConfig&) { return 0; }
 
   // ---- hooks for CacheCommon ----
+  // In 64 bits: pos(s) + the step's tokens of s may pass INT32_MAX when max_len is near it.
   Status room_for_step(std::span<const std::int32_t> seqs, std::span<const std::int32_t> count) const {
     for (const std::int32_t s : seqs)
-      if (this->length(s) + count[static_cast<std::size_t>(s)] > max_len()) return Errc::sequence_full;
+      if (static_cast<std::int64_t>(this->length(s)) + count[static_cast<std::size_t>(s)] > max_len())
+        return Errc::sequence_full;
     return {};
   }
 

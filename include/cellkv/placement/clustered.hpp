@@ -7,6 +7,7 @@
 // full block (max_cells % Block) are only reached by the fallback.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -45,6 +46,12 @@ class clustered {
   void truncated(SeqState& s, std::int32_t last_cell) noexcept { s.open = last_cell < 0 ? -1 : last_cell / Block; }
 
   friend bool operator==(const clustered&, const clustered&) = default;
+
+  // The host memory clustered(max_cells) allocates: a count and a bit per full block.
+  static constexpr std::size_t host_bytes(std::int32_t max_cells) noexcept {
+    const std::int32_t blocks = max_cells / Block;
+    return static_cast<std::size_t>(blocks) * sizeof(std::int32_t) + detail::Bitmap::bytes(blocks);
+  }
 
  private:
   std::int32_t choose(SeqState& s, FreeCells& free) {

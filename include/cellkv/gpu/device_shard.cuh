@@ -1,0 +1,399 @@
+// cellkv/gpu/device_shard.cuh - the device half of a cache on one GPU: the KV pool of its heads
+// for every layer, the step buffers at fixed addresses (with the position table's device copy)
+// and the attention kernels, fed by a host KVCache that plans each step (owned elsewhere:
+// DeviceCache for one GPU, ShardedCache for several).
+//
+// A shard never changes the host cache: upload reads the placed step (StepPlan) and the pending
+// changes (PendingChanges) and nothing else, and the owner acknowledges those once every shard has
+// uploaded them. Shards of one host cache may upload concurrently from different threads (const
+// reads of the host only).
+//
+// Every call runs on the caller's current device, which must be the shard's device.
+#pragma once
+
+#include <cuda/stream_ref>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "cellkv/attention_plan.hpp"
+#include "cellkv/kv_cache.hpp"
+#include "cellkv/sharing_planner.hpp"
+#include "cellkv/gpu/device_layout.cuh"
+#include "cellkv/gpu/kernels/tile_rows.cuh"
+#include "cellkv/gpu/kv_pool.hpp"
+#include "cellkv/gpu/launch/ops.cuh"
+#include "cellkv/gpu/launch/step.cuh"
+#include "cellkv/gpu/launch/table_attention.cuh"
+#include "cellkv/gpu/step_buffers.hpp"
+#include "cellkv/footprint.hpp"
+#include "cellkv/step_block.hpp"
+
+namespace cellkv::gpu {
+
+// Which attention kernels a cache runs: the table kernels where they apply (automatic), or always
+// the reference kernel (tests and comparisons).
+enum class KernelChoice : std::uint8_t { automatic, reference };
+
+// Whether upload builds the dense masks of the cell layout: only when the reference kernel will
+// read them (if_needed), always (a caller wants them), or never (attend then refuses on the
+// reference path). The mask buffers are allocated by the first upload that builds them.
+enum class Masks : std::uint8_t { if_needed, always, skip };
+
+template <Layout L, Element T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
+class DeviceShard {
+  static_assert(W::kDistinct <= kMaxWindows, "cellkv::gpu::DeviceShard: at most 8 distinct windows per model");
+  static_assert(DeviceLayoutFor<L>, "cellkv::gpu::DeviceShard: the layout needs a gpu::DeviceLayout specialization");
+  // A position table: table writes, shared prefixes, dense masks for the reference kernel; else
+  // row ranges for it (device_layout.cuh).
+  static constexpr bool kTable = L::kPositionTable;
+  using Rows = typename DeviceLayout<L>::Rows;
+  struct NoTableKernels {};  // fp32 storage: the reference kernel only
+  using TableKernels = std::conditional_t<kTableKernelElement<T>, TableAttention<T, Rows>, NoTableKernels>;
+
+ public:
+  using Host = KVCache<L, W, P, MaxSeqs>;
+  using Element = T;
+  using Windows = W;
+
+  // `host` must outlive the shard. shape: this shard's heads (H_kv and H_q of its slice).
+  // Checks footprint(host.config(), shape) against the device's free memory before allocating.
+  // Throws std::invalid_argument on a bad shape or sizes that overflow, OutOfDeviceMemory when the
+  // footprint passes the free memory, cellkv::gpu::Error on a CUDA failure.
+  DeviceShard(const Host& host, PoolShape shape)
+      : host_(host), pool_(config_that_fits(host.config(), shape), shape), buffers_(make_buffers(host, shape)) {
+    if (shape.layers != W::kLayers)
+      throw std::invalid_argument("cellkv::gpu::DeviceShard: the pool needs one layer per layer of the window set");
+    if (kTable) buffers_.bindings().max_cells = host.config().max_cells;
+    if constexpr (kTableKernelElement<T>)
+      if (table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv))
+        table_.emplace(TableShape{shape.heads_q, shape.heads_kv, shape.head_dim, buffers_.shape().shared_slots});
+  }
+  DeviceShard(const DeviceShard&) = delete;
+  DeviceShard& operator=(const DeviceShard&) = delete;
+  ~DeviceShard() {
+    (void)last_.synchronize();
+    (void)buffers_.wait_idle();
+  }
+
+  [[nodiscard]] const KVPool<L, T>& pool() const noexcept { return pool_; }
+  [[nodiscard]] const StepBindings& bindings() const noexcept { return buffers_.bindings(); }
+  // Device mask of window buffer b (cell layout): [max_write, max_cells] bool, row stride max_cells;
+  // nullptr until an upload built masks.
+  [[nodiscard]] const bool* mask(std::int32_t buffer) const noexcept {
+    return bindings().masks == nullptr ? nullptr : bindings().mask(buffer);
+  }
+  // Width of the uploaded step (tokens + padding), 0 when no step is uploaded.
+  [[nodiscard]] std::int32_t width() const noexcept { return ready() ? width_ : 0; }
+  // True when attend runs the table kernels (tensor cores, position ranges) rather than the reference.
+  [[nodiscard]] bool runs_table_kernels() const noexcept { return table_.has_value() && choice_ == KernelChoice::automatic; }
+  // Picks the kernels of later uploads and forwards (applies from the next upload).
+  void use_kernels(KernelChoice choice) noexcept { choice_ = choice; }
+  // Whether later uploads look for prefixes that sequences of the step share (cell layout, table
+  // kernels), so each shared tile is read once per step (on by default; off for comparisons).
+  void share_prefixes(bool on) noexcept { share_prefixes_ = on; }
+  // Bytes of the step block the kernels read (the table writes staged behind them excluded).
+  [[nodiscard]] std::size_t step_block_bytes() const noexcept { return buffers_.layout().table_writes; }
+  // Serial of the last step this shard uploaded (0: none).
+  [[nodiscard]] std::uint64_t uploaded_serial() const noexcept { return uploaded_serial_; }
+  // Decode segments and prefill items of window buffer b in the uploaded step (table kernels);
+  // bad_argument for a buffer outside [0, W::kDistinct).
+  [[nodiscard]] Result<WorkCounts> work_counts(std::int32_t buffer) const noexcept {
+    if (buffer < 0 || buffer >= W::kDistinct) return Errc::bad_argument;
+    return counts_[static_cast<std::size_t>(buffer)];
+  }
+
+  // The device bytes a shard of `shape` allocates for `config` (footprint.hpp), the dense masks
+  // counted when uploads build them: Masks::always, or if_needed on the reference kernel's path
+  // (fp32 storage, shapes the table kernels do not serve; cell layout only).
+  static Result<Footprint> footprint(const CacheConfig& config, const PoolShape& shape, Masks masks = Masks::if_needed) {
+    const bool reference = !table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv);
+    const bool built = masks == Masks::always || (masks == Masks::if_needed && reference);
+    return device_footprint<Host>(config, shape, {sizeof(T), kTable && built, kTableKernelElement<T>});
+  }
+
+  // Reports (Errc::bad_device_row) and clears a fault device code set since the last report: a
+  // write_kv of this shard met a row outside the pool (docs/design.md section 5).
+  [[nodiscard]] Status take_device_fault() noexcept {
+    return (buffers_.take_fault() & kFaultBadRow) != 0 ? Status{Errc::bad_device_row} : Status{};
+  }
+
+  // Uploads the host's placed step padded to `width` tokens (0: exactly T): runs the fork copies
+  // (sequence layout), writes the pending position-table entries (cell layout), copies the step
+  // block (tokens, segments, every window's work; row ranges for the sequence layout's reference
+  // kernel) and builds the dense masks (cell layout, per `masks`). Refuses when no step is placed
+  // or width is outside [T, max_write], and with bad_device_row once after a device fault.
+  Status upload(::cuda::stream_ref stream, std::int32_t width = 0, Masks masks = Masks::if_needed) {
+    if (const Status s = check_upload(width); !s.ok()) return s;
+    if (const Status s = take_device_fault(); !s.ok()) return s;
+    const StepPlan plan = host_.step();
+    if (width == 0) width = plan.tokens;
+    if (const Status s = last_.wait_on(stream); !s.ok()) return s;
+    if (const Status s = run_copies(stream); !s.ok()) return s;
+    const TableChanges changes = host_.pending_changes().table;
+    std::size_t first = 0;  // table writes beyond one block's room go first, in batches
+    const auto room = static_cast<std::size_t>(buffers_.shape().max_table_writes);
+    for (; changes.indices.size() - first > room; first += room)
+      if (const Status s = send_table_writes(changes, first, room, stream); !s.ok()) return s;
+    StepBuffers::Slot& slot = buffers_.next_slot();
+    if (const Status s = slot.done.synchronize(); !s.ok()) return s;
+    fill_block(slot.block.data(), plan, width);
+    const std::size_t writes = stage_table_writes(slot, changes, first, changes.indices.size() - first);
+    CELLKV_CUDA_STATUS(cudaMemcpyAsync(buffers_.device_block(), slot.block.data(), buffers_.upload_bytes(writes),
+                                       cudaMemcpyHostToDevice, stream.get()));
+    if (const Status s = slot.done.record(stream); !s.ok()) return s;
+    if (const Status s = write_table(buffers_.device_table_writes(), static_cast<std::int32_t>(writes),
+                                     bindings().table_flat, stream);
+        !s.ok())
+      return s;
+    const bool fill_masks = kTable && (masks == Masks::always || (masks == Masks::if_needed && !runs_table_kernels()));
+    if (fill_masks)
+      if (const Status s = make_masks(plan.read_len, width, stream); !s.ok()) return s;
+    if (const Status s = last_.record(stream); !s.ok()) return s;
+    uploaded_serial_ = plan.serial;
+    width_ = width;
+    tokens_ = plan.tokens;
+    masks_filled_ = fill_masks;
+    uploaded_table_kernels_ = runs_table_kernels();
+    return {};
+  }
+
+  // What upload(stream, width) would refuse, without touching anything.
+  [[nodiscard]] Status check_upload(std::int32_t width) const {
+    if (const Status s = host_.require_step(); !s.ok()) return s;
+    const std::int32_t tokens = host_.step().tokens;
+    return (width != 0 && width < tokens) || width > host_.max_write() ? Status{Errc::bad_shape} : Status{};
+  }
+
+  // Writes the step's K and V rows of `layer`: k, v [width, H_kv, D].
+  Status write(std::int32_t layer, const T* k, const T* v, std::int32_t tokens, ::cuda::stream_ref stream) const {
+    if (const Status s = check_layer_call(layer, tokens); !s.ok()) return s;
+    return write_kv<T>(pool_.view(layer), k, v, bindings().cells, tokens, bindings().fault, stream);
+  }
+
+  // Attention of `layer` through its window: q, out [width, H_q, D]; scale 0 = 1/sqrt(D).
+  Status attend(std::int32_t layer, const T* q, T* out, std::int32_t tokens, std::int32_t heads_q, float scale,
+                ::cuda::stream_ref stream) const {
+    if (const Status s = check_attend_args(layer, q, out, tokens, heads_q); !s.ok()) return s;
+    return attend_buffer(W::buffer_of_layer(layer), layer, q, out, tokens, heads_q, scale, stream);
+  }
+
+  // write then attend: the operation every attention layer lowers to.
+  Status update_and_attend(std::int32_t layer, const T* q, const T* k, const T* v, T* out, std::int32_t tokens,
+                           std::int32_t heads_q, float scale, ::cuda::stream_ref stream) const {
+    if (const Status s = check_attend_args(layer, q, out, tokens, heads_q); !s.ok()) return s;
+    if (const Status s = write(layer, k, v, tokens, stream); !s.ok()) return s;
+    return attend(layer, q, out, tokens, heads_q, scale, stream);
+  }
+
+  // update_and_attend for a layer whose window is Window (checked at compile time to be in the
+  // set, and at run time to be the layer's).
+  template <std::int32_t Window>
+  Status update_and_attend(std::int32_t layer, const T* q, const T* k, const T* v, T* out, std::int32_t tokens,
+                           std::int32_t heads_q, float scale, ::cuda::stream_ref stream) const {
+    static_assert(W::buffer_of_window(Window) >= 0, "cellkv: no layer of this window set uses this window");
+    if (layer < 0 || layer >= W::kLayers || W::window_of_layer(layer) != Window) return Errc::bad_argument;
+    return update_and_attend(layer, q, k, v, out, tokens, heads_q, scale, stream);
+  }
+
+  // Ends the step: records its event. Later calls for this step are refused until the next
+  // declaration. Refuses with bad_device_row once after a device fault (the step stays open).
+  Status commit(::cuda::stream_ref stream) {
+    if (!ready()) return Errc::no_step_declared;
+    if (const Status s = take_device_fault(); !s.ok()) return s;
+    if (const Status s = last_.record(stream); !s.ok()) return s;
+    committed_serial_ = uploaded_serial_;
+    return {};
+  }
+
+ private:
+  // `config`, once this shard's footprint is known to fit the current device's free memory.
+  static const CacheConfig& config_that_fits(const CacheConfig& config, const PoolShape& shape) {
+    const Result<Footprint> f = footprint(config, shape);
+    if (!f.ok())
+      throw std::invalid_argument(std::string("cellkv::gpu::DeviceShard: ") + std::string(f.status().message()));
+    require_free_memory(f.value().total, "cellkv::gpu::DeviceShard");
+    return config;
+  }
+
+  static StepBuffers make_buffers(const Host& host, const PoolShape& shape) {
+    // Refusals were checked by footprint() before the pool was allocated.
+    const StepBlockShape s = step_block_shape<Host>(host.config(), shape, kTableKernelElement<T>).value();
+    if constexpr (kTable) {
+      const PositionTable& t = host.table();
+      return StepBuffers(s, static_cast<std::int64_t>(t.flat().size()), t.directory_entries(), t.dir_stride());
+    } else {
+      return StepBuffers(s, 0, 0, 0);
+    }
+  }
+
+  [[nodiscard]] bool ready() const noexcept {
+    return host_.step_placed() && uploaded_serial_ == host_.step_serial() && committed_serial_ != uploaded_serial_;
+  }
+
+  [[nodiscard]] Status check_layer_call(std::int32_t layer, std::int32_t tokens) const {
+    if (!ready()) return Errc::no_step_declared;
+    if (layer < 0 || layer >= W::kLayers) return Errc::bad_argument;
+    return tokens == width_ ? Status{} : Status{Errc::bad_shape};
+  }
+
+  // Everything attend would refuse, checked before write so a refusal writes nothing.
+  [[nodiscard]] Status check_attend_args(std::int32_t layer, const T* q, const T* out, std::int32_t tokens,
+                                         std::int32_t heads_q) const {
+    if (const Status s = check_layer_call(layer, tokens); !s.ok()) return s;
+    if (uploaded_table_kernels_ && heads_q != pool_.shape().heads_q) return Errc::bad_shape;
+    if (kTable && !uploaded_table_kernels_ && !masks_filled_) return Errc::no_step_declared;
+    const AttentionArgs<T> a{q, const_view(layer), const_cast<T*>(out), tokens, heads_q, 0.f};
+    return detail::check_attention(a);
+  }
+
+  [[nodiscard]] PoolView<const T> const_view(std::int32_t layer) const noexcept {
+    const PoolView<T> p = pool_.view(layer);
+    return {p.k, p.v, p.rows, p.heads_kv, p.head_dim};
+  }
+
+  [[nodiscard]] AttentionShape plan_shape() const noexcept {
+    if constexpr (kTableKernelElement<T>) return table_->plan_shape();
+    else return {};
+  }
+
+  [[nodiscard]] Rows rows() const noexcept { return DeviceLayout<L>::rows(host_, bindings()); }
+
+  Status attend_buffer(std::int32_t buffer, std::int32_t layer, const T* q, T* out, std::int32_t tokens,
+                       std::int32_t heads_q, float scale, ::cuda::stream_ref stream) const {
+    if constexpr (kTableKernelElement<T>)
+      if (uploaded_table_kernels_)
+        return table_->attend(buffer, W::kDistinctWindows[static_cast<std::size_t>(buffer)], q, out, const_view(layer),
+                              rows(), bindings(), tokens_, tokens, counts_[static_cast<std::size_t>(buffer)], scale,
+                              stream);
+    const AttentionArgs<T> a{q, const_view(layer), out, tokens, heads_q, scale};
+    if constexpr (kTable) return masked_sdpa<T>(a, mask(buffer), bindings().max_cells, bindings().read_len, stream);
+    else return range_sdpa<T>(a, bindings().ranges_of(buffer), bindings().read_len, stream);
+  }
+
+  // Fork copies (the sequence layout's; none where forks share rows), in order, before this
+  // step's writes.
+  Status run_copies(::cuda::stream_ref stream) const {
+    for (const RowCopy& c : host_.pending_changes().copies)
+      if (const Status s = pool_.copy_rows(c, stream); !s.ok()) return s;
+    return {};
+  }
+
+  // Staging image of the step block: real tokens, then padding (scratch row, sequence -1); the
+  // segments; every window's work (table kernels) or row ranges (the sequence layout's reference).
+  void fill_block(std::byte* block, const StepPlan& plan, std::int32_t width) {
+    const StepBlockLayout& lay = buffers_.layout();
+    const auto segments = static_cast<std::int32_t>(plan.segments.size());
+    std::memcpy(block + lay.segments, plan.segments.data(), plan.segments.size_bytes());
+    std::memcpy(block + lay.num_segments, &segments, 4);
+    std::memcpy(block + lay.tokens, &plan.tokens, 4);
+    std::memcpy(block + lay.read_len, &plan.read_len, 8);
+    auto* cells = reinterpret_cast<std::int64_t*>(block + lay.cells);
+    auto* seq = reinterpret_cast<std::int32_t*>(block + lay.token_seq);
+    auto* pos = reinterpret_cast<std::int32_t*>(block + lay.token_pos);
+    const auto T_tokens = static_cast<std::size_t>(plan.tokens);
+    std::copy_n(plan.rows.data(), T_tokens, cells);
+    std::copy_n(plan.seqs.data(), T_tokens, seq);
+    std::copy_n(plan.positions.data(), T_tokens, pos);
+    for (std::int32_t t = plan.tokens; t < width; ++t) cells[t] = pool_.scratch_row(), seq[t] = -1, pos[t] = 0;
+    const SharedWork shared = lay.shared_at(block, buffers_.shape());
+    const std::int32_t shared_items = runs_table_kernels() ? plan_sharing(plan, shared) : 0;
+    for (std::int32_t b = 0; b < W::kDistinct; ++b) {
+      const std::int32_t window = W::kDistinctWindows[static_cast<std::size_t>(b)];
+      if (runs_table_kernels()) {
+        const WindowWork work = lay.work_at(block, b, host_.max_write());
+        plan_window(plan.segments, shared.own_begin, window, plan_shape(), work);
+        counts_[static_cast<std::size_t>(b)] = WorkCounts{work.decode_count(), work.prefill_count(), shared_items};
+      } else if constexpr (!kTable) {
+        auto* ranges = reinterpret_cast<RowRange*>(block + lay.ranges) + b * host_.max_write();
+        for (std::int32_t t = 0; t < width; ++t) ranges[t] = t < plan.tokens ? host_.visible_range(t, window).value_or(RowRange{}) : RowRange{};
+      }
+    }
+  }
+
+  // The step's shared prefixes into the staging block (cell layout; none when sharing is off);
+  // returns the shared items.
+  std::int32_t plan_sharing(const StepPlan& plan, const SharedWork& out) {
+    if (out.counts == nullptr) return 0;
+    if constexpr (kTable && kTableKernelElement<T>) {
+      if (share_prefixes_) {
+        planner_.plan(plan.segments, host_.table(), table_->sharing_shape(buffers_.shape().max_runs), out);
+        return out.item_count();
+      }
+    }
+    out.counts[0] = out.counts[1] = out.counts[2] = 0;
+    std::fill_n(out.own_begin, plan.segments.size(), 0);
+    std::fill_n(out.token_slots, plan.tokens, SlotRange{});
+    return 0;
+  }
+
+  // Table writes [first, first + count) of `changes` into a staging slot; returns count.
+  std::size_t stage_table_writes(const StepBuffers::Slot& slot, const TableChanges& changes, std::size_t first,
+                                 std::size_t count) const {
+    TableWrite* out = slot.table_writes(buffers_.layout());
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::int32_t index = changes.indices[first + i];
+      out[i] = TableWrite{index, changes.values[static_cast<std::size_t>(index)]};
+    }
+    return count;
+  }
+
+  // One batch of table writes ahead of the step block (a verb-heavy gap between steps).
+  Status send_table_writes(const TableChanges& changes, std::size_t first, std::size_t count, ::cuda::stream_ref stream) {
+    StepBuffers::Slot& slot = buffers_.next_slot();
+    if (const Status s = slot.done.synchronize(); !s.ok()) return s;
+    stage_table_writes(slot, changes, first, count);
+    const std::size_t at = buffers_.layout().table_writes;
+    CELLKV_CUDA_STATUS(cudaMemcpyAsync(buffers_.device_block() + at, slot.block.data() + at, sizeof(TableWrite) * count,
+                                       cudaMemcpyHostToDevice, stream.get()));
+    if (const Status s = slot.done.record(stream); !s.ok()) return s;
+    return write_table(buffers_.device_table_writes(), static_cast<std::int32_t>(count), bindings().table_flat, stream);
+  }
+
+  static WindowList window_list() {
+    WindowList windows;
+    for (std::int32_t b = 0; b < W::kDistinct; ++b) windows.w[b] = W::kDistinctWindows[static_cast<std::size_t>(b)];
+    return windows;
+  }
+
+  // The dense masks, allocated by the first upload that builds them.
+  Status make_masks(std::int64_t read_len, std::int32_t width, ::cuda::stream_ref stream) {
+    if (masks_.size() == 0) {
+      try {
+        masks_ = DeviceBuffer<bool>(static_cast<std::size_t>(W::kDistinct) * static_cast<std::size_t>(host_.max_write()) *
+                                    static_cast<std::size_t>(host_.config().max_cells));
+      } catch (const Error&) {
+        return Errc::device_error;
+      }
+      buffers_.bindings().masks = masks_.data();
+    }
+    return build_masks(bindings(), window_list(), width, read_len, stream);
+  }
+
+  const Host& host_;
+  KVPool<L, T> pool_;
+  StepBuffers buffers_;
+  DeviceBuffer<bool> masks_;
+  std::optional<TableKernels> table_;
+  std::array<WorkCounts, kMaxWindows> counts_{};  // work of each window in the uploaded step
+  KernelChoice choice_ = KernelChoice::automatic;
+  bool share_prefixes_ = true;
+  SharingPlanner planner_;
+  bool uploaded_table_kernels_ = false;
+  Event last_;  // the last upload or commit: the next upload waits on it
+  std::uint64_t uploaded_serial_ = 0;
+  std::uint64_t committed_serial_ = 0;
+  std::int32_t width_ = 0;
+  std::int32_t tokens_ = 0;
+  bool masks_filled_ = false;
+};
+
+}  // namespace cellkv::gpu

@@ -1,0 +1,190 @@
+// cellkv/gpu/kernels/attention_tiles.cuh - the tensor-core pieces both table-driven attention
+// kernels are made of (bf16 / fp16 operands, fp32 accumulation), for one warp and 16 query rows:
+//   QFragments  the A operands of 16 query rows of a swizzled shared tile
+//   qk          S [16 x 8 NT] = Q K^T over a swizzled K tile
+//   pv          O [16 x D] += P V over a swizzled V tile
+//   RowState    the online softmax of the warp's 16 rows (two per lane)
+//   RowHalf     a lane's share of a finished row: normalized output and log2-sum-exp
+//   mask_tile   scores -> log2 units, -inf where a row may not see a column's position
+// Lane layout of accumulators (mma.cuh): lane holds rows lane / 4 and lane / 4 + 8, columns
+// 2 (lane % 4) and 2 (lane % 4) + 1 of every 8-wide block.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cellkv/gpu/kernels/mma.cuh"
+#include "cellkv/visibility.hpp"
+
+namespace cellkv::gpu::kernels {
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp; -inf -> 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Query fragments (A operands) of 16 rows of a swizzled query tile: held in registers for
+// D <= 128, read from shared memory at each use for D = 256 (register budget).
+template <int D>
+struct QFragments {
+  static constexpr bool kInRegs = D <= 128;
+  std::uint32_t regs[kInRegs ? D / 16 : 1][4];
+  std::uint32_t tile;
+  int row0;
+
+  __device__ __forceinline__ void load_one(std::uint32_t (&f)[4], int kk, int lane) const {
+    const int row = row0 + (lane & 7) + (((lane >> 3) & 1) << 3), chunk = 2 * kk + (lane >> 4);
+    ldmatrix_x4(f, tile + SwizzledTile<D>::offset(row, chunk));
+  }
+  __device__ __forceinline__ void init(std::uint32_t q_tile, int first_row, int lane) {
+    tile = q_tile;
+    row0 = first_row;
+    if constexpr (kInRegs) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) load_one(regs[kk], kk, lane);
+    }
+  }
+  // Fragment kk (columns [16 kk, 16 kk + 16)).
+  __device__ __forceinline__ void get(std::uint32_t (&f)[4], int kk, int lane) const {
+    if constexpr (kInRegs) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f[i] = regs[kk][i];
+    } else {
+      load_one(f, kk, lane);
+    }
+  }
+};
+
+// S (16 rows x 8 NT cells starting at cell0 of the stage) = Q K^T. KTile: the K tile's layout
+// (SwizzledTile or PaddedTile).
+template <int D, int NT, class T, class KTile = SwizzledTile<D>>
+__device__ __forceinline__ void qk(float (&s)[NT][4], const QFragments<D>& q, std::uint32_t k_tile, int cell0, int lane) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    std::uint32_t a[4];
+    q.get(a, kk, lane);
+#pragma unroll
+    for (int n = 0; n < NT; n += 2) {
+      std::uint32_t b[4];
+      const int row = cell0 + 8 * n + (lane & 7) + ((lane >> 4) << 3), chunk = 2 * kk + ((lane >> 3) & 1);
+      ldmatrix_x4(b, k_tile + KTile::offset(row, chunk));
+      mma_16816<T>(s[n], a, b[0], b[1]);
+      mma_16816<T>(s[n + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// o (16 rows x D) += P (16 rows x 8 NT cells starting at cell0) V. VTile: the V tile's layout.
+template <int D, int NT, class T, class VTile = SwizzledTile<D>>
+__device__ __forceinline__ void pv(float (&o)[D / 8][4], const float (&p)[NT][4], std::uint32_t v_tile, int cell0,
+                                   int lane) {
+#pragma unroll
+  for (int ks = 0; ks < NT / 2; ++ks) {
+    const std::uint32_t a[4] = {pack2<T>(p[2 * ks][0], p[2 * ks][1]), pack2<T>(p[2 * ks][2], p[2 * ks][3]),
+                                pack2<T>(p[2 * ks + 1][0], p[2 * ks + 1][1]),
+                                pack2<T>(p[2 * ks + 1][2], p[2 * ks + 1][3])};
+#pragma unroll
+    for (int dd = 0; dd < D / 16; ++dd) {
+      std::uint32_t b[4];
+      const int row = cell0 + 16 * ks + (lane & 7) + (((lane >> 3) & 1) << 3), chunk = 2 * dd + (lane >> 4);
+      ldmatrix_x4_trans(b, v_tile + VTile::offset(row, chunk));
+      mma_16816<T>(o[2 * dd], a, b[0], b[1]);
+      mma_16816<T>(o[2 * dd + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Online-softmax state of the two rows (lane / 4 and lane / 4 + 8) a lane holds in a 16-row tile.
+template <int D>
+struct RowState {
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.f, 0.f};  // per lane; quad-summed at the end
+  float o[D / 8][4] = {};
+
+  // Scores s (in log2 units, -inf where invisible) -> probabilities in place; rescales o.
+  template <int NT>
+  __device__ __forceinline__ void absorb(float (&s)[NT][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+      const float m_new = fmaxf(m[h], quad_max(mx));
+      const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing yet
+      const float corr = fast_exp2(m[h] - base);
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          s[n][e] = fast_exp2(s[n][e] - base);
+          sum += s[n][e];
+        }
+      l[h] = l[h] * corr + sum;
+      m[h] = m_new;
+#pragma unroll
+      for (int d = 0; d < D / 8; ++d) o[d][2 * h] *= corr, o[d][2 * h + 1] *= corr;
+    }
+  }
+};
+
+// A lane's share of row (lane / 4) + 8 h of a finished state, normalized in place (no copy: the
+// state is dead after its rows are written): v(j) is the output at column column(j, lane), lse the
+// row's log2-sum-exp of its scores (-inf when it saw nothing).
+template <int D>
+struct RowHalf {
+  static constexpr int kValues = D / 4;  // values a lane holds of one row
+  RowState<D>& st;
+  int h;
+  float lse;
+  __device__ __forceinline__ RowHalf(RowState<D>& state, int half) : st(state), h(half) {
+    const float l = quad_sum(st.l[h]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    lse = l > 0.f ? st.m[h] + log2f(l) : -INFINITY;
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d) st.o[d][2 * h] *= inv, st.o[d][2 * h + 1] *= inv;
+  }
+  __device__ __forceinline__ float& v(int j) const { return st.o[j / 2][2 * h + (j & 1)]; }
+  __device__ static __forceinline__ int column(int j, int lane) { return (j / 2) * 8 + (lane & 3) * 2 + (j & 1); }
+  // Stores this lane's share as a partial: o_row [D] fp32, *lse_row (one lane of the quad writes it).
+  __device__ __forceinline__ void store_partial(float* o_row, float* lse_row, int lane) const {
+#pragma unroll
+    for (int j = 0; j < kValues; j += 2) *reinterpret_cast<float2*>(o_row + column(j, lane)) = make_float2(v(j), v(j + 1));
+    if ((lane & 3) == 0) *lse_row = lse;
+  }
+};
+
+// Scores of a tile -> log2 units; -inf where the row may not see the column. Row r of the 16 sits
+// at query position qpos(r) (rows >= `rows` see nothing); column c holds key position key0 + c.
+// With `full`, every row < rows sees every column (the caller checked the tile's range).
+template <int NT, class QPos>
+__device__ __forceinline__ void mask_tile(float (&s)[NT][4], int rows, QPos&& qpos, int key0, int window, bool full,
+                                          float scale_log2, int lane) {
+#pragma unroll
+  for (int e2 = 0; e2 < 2; ++e2) {
+    const int r = (lane >> 2) + 8 * e2;
+    const bool row_ok = r < rows;
+    const int q = row_ok ? qpos(r) : -1;
+    const PositionRange seen = visible_positions(window, q);
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 2 * e2; e < 2 * e2 + 2; ++e) {
+        const int key = key0 + n * 8 + (lane & 3) * 2 + (e & 1);
+        const bool ok = row_ok && (full || seen.contains(key));
+        s[n][e] = ok ? s[n][e] * scale_log2 : -INFINITY;
+      }
+  }
+}
+
+}  // namespace cellkv::gpu::kernels

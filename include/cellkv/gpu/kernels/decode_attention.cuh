@@ -1,0 +1,526 @@
+// cellkv/gpu/kernels/decode_attention.cuh - decode attention read through the position tables.
+//
+// Work: the decode segments of one window buffer (attention_plan.hpp). A pair is (decode segment,
+// KV head): its <= kDecodeRows query rows (token x GQA head of the group, packed as MMA rows) see
+// the positions [visible_begin(W, first token), last token] of their sequence, which are
+// tiles(seg) KV tiles of kPositions positions. The tiles of every pair, in (segment, head, tile)
+// order, are cut into equal chunks, one per worker (a warp): every worker streams the same number
+// of tiles whatever the lengths and wherever the cells are.
+//
+// A warp streams its chunk through its own ring of `Stages` shared-memory stages (16-byte cp.async
+// copies of the rows the table names, gathered row by row) with no block-wide barrier; the table
+// is read ahead (the page of the tile two ahead, the row ids of the tile one ahead), and a pair's
+// queries go straight to registers. Throughput comes from many independent warps per SM (small
+// tiles), not from one warp's depth. At the end of a pair's part the warp writes the output, or,
+// for a pair cut by a chunk boundary, a partial (o, lse) that the last part to finish merges:
+// groups of kMergeFanIn parts merge into their first part's slot, level by level, and the last
+// level writes the output. Counters return to zero, so the next launch (and a
+// graph replay) starts clean. Rows of the padding tokens [tokens, width) are written as zeros.
+//
+// Block: Warps x 32 threads, one worker per warp; grid: any fixed size (persistent); dynamic smem:
+// decode_smem_bytes<D, Stages, Warps>().
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cellkv/attention_plan.hpp"
+#include "cellkv/gpu/kernels/attention_tiles.cuh"
+#include "cellkv/gpu/kernels/layer_args.cuh"
+#include "cellkv/gpu/kernels/mma.cuh"
+#include "cellkv/gpu/numeric.cuh"
+#include "cellkv/pool_view.hpp"
+#include "cellkv/position_table_view.hpp"
+#include "cellkv/step_plan.hpp"
+#include "cellkv/visibility.hpp"
+
+namespace cellkv::gpu::kernels {
+
+inline constexpr int kMergeFanIn = 8;   // parts one merge combines
+inline constexpr int kMergeLevels = 4;  // up to 8^4 parts per pair
+
+// Geometry of a decode tile for head dim D (decode_tile_positions(D) positions of K and of V).
+template <int D>
+struct DecodeTile {
+  static constexpr int kPositions = decode_tile_positions(D);
+  static constexpr int kChunks = D / 8;                          // 16-byte chunks per row
+  static constexpr int kIds = (kPositions + 31) / 32;            // row ids each lane holds
+  static constexpr int kLoads = kPositions * kChunks / 32;       // copies per lane per tensor
+  static constexpr int kRowStep = 32 / kChunks;                  // rows between a lane's copies
+  static constexpr std::uint32_t kBytes = kPositions * D * 2;    // one tensor's tile
+  static constexpr int kNT = kPositions / 8;                     // MMA n-tiles of the scores
+  static_assert(kPagePositions % kPositions == 0 && kPositions % 16 == 0 && kLoads * 32 == kPositions * kChunks);
+};
+
+// Whether a pair's query fragments live in registers (D <= 128) or in a shared tile (D = 256).
+template <int D>
+inline constexpr bool kQueryInRegisters = D <= 128;
+
+// Per warp: `stages` x (K tile, V tile), and for D = 256 the query tile; 128-byte aligned.
+constexpr int decode_warp_smem_bytes(int head_dim, int stages) {
+  const int tile = decode_tile_positions(head_dim) * head_dim * 2;
+  const int query = head_dim <= 128 ? 0 : kDecodeRows * head_dim * 2;
+  return (stages * 2 * tile + query + 127) / 128 * 128;
+}
+template <int D, int Stages, int Warps>
+constexpr int decode_smem_bytes() {
+  return Warps * decode_warp_smem_bytes(D, Stages);
+}
+
+template <class T, class Rows>
+struct DecodeArgs : LayerArgs<T, Rows> {
+  const std::int32_t* tokens = nullptr;  // T on the device
+  std::int32_t width = 0;
+  float* partial_o = nullptr;            // [slots][kDecodeRows][D]
+  float* partial_lse = nullptr;          // [slots][kDecodeRows]
+  std::int32_t* merge_counts = nullptr;  // [kMergeLevels][slots], zero between launches
+  std::int32_t slots = 0;                // 2 x workers
+};
+
+// Where a worker is in the flattened (segment, head, tile) sequence.
+struct PairCursor {
+  std::int64_t g = 0;      // flat tile index
+  std::int64_t begin = 0;  // flat index of the pair's first tile
+  std::int32_t d = 0, h = 0, t = 0;  // decode segment, KV head, tile of the pair
+  std::int32_t tiles = 0;  // tiles of the pair
+  std::int32_t tile0 = 0;  // first KV tile (positions tile0 * kPositions ...)
+  std::int32_t own_begin = 0;  // positions below are read by shared items (prefix_sharing.hpp)
+  Segment seg;
+
+  template <class A>
+  __device__ void load_segment(const A& a, int positions) {
+    const int index = a.work.decode_seg[d];
+    seg = a.segments[index];
+    own_begin = a.shared.own_begin_of(index);
+    const TileSpan span = tiles_seen(a.window, seg.pos0, seg.pos0 + seg.len - 1, positions, own_begin);
+    tile0 = span.first;
+    tiles = span.count;
+  }
+  // Positions the pair's rows read, as a whole: own_positions(W, first, last, own_begin).
+  __device__ PositionRange seen(int window) const {
+    return own_positions(window, seg.pos0, seg.pos0 + seg.len - 1, own_begin);
+  }
+  // Positions the cursor at flat tile `flat`: a 32-way search by the whole warp (a few dependent
+  // reads, not log2(segments)).
+  template <class A>
+  __device__ void seek(const A& a, std::int64_t flat, int heads_kv, int positions, int lane) {
+    int lo = 0, hi = a.work.decode_count() - 1;  // the last segment whose first tile is <= flat
+    while (lo < hi) {
+      const int step = (hi - lo + 32) / 32;
+      const int at = lo + lane * step;
+      const bool before = at <= hi && static_cast<std::int64_t>(a.work.decode_prefix[at]) * heads_kv <= flat;
+      const int last = 31 - __clz(__ballot_sync(0xffffffffu, before));  // lane 0 (at = lo) always qualifies
+      lo += last * step;
+      hi = min(hi, lo + step - 1);
+    }
+    d = lo;
+    load_segment(a, positions);
+    const std::int64_t off = flat - static_cast<std::int64_t>(a.work.decode_prefix[d]) * heads_kv;
+    h = static_cast<int>(off / tiles);
+    t = static_cast<int>(off % tiles);
+    g = flat;
+    begin = flat - t;
+  }
+  // Next tile; precondition: g + 1 < total.
+  template <class A>
+  __device__ void next(const A& a, int heads_kv, int positions) {
+    ++g;
+    if (++t < tiles) return;
+    t = 0;
+    begin = g;
+    if (++h < heads_kv) return;
+    h = 0;
+    ++d;
+    load_segment(a, positions);
+  }
+};
+
+// The rows of a pair: row r is token tok0 + r / group, query head h * group + r % group.
+struct PairRows {
+  Segment seg;
+  int group, h, rows;
+  __device__ int token(int r) const { return seg.tok0 + r / group; }
+  __device__ int head(int r) const { return h * group + r % group; }
+  __device__ int qpos(int r) const { return seg.pos0 + r / group; }
+};
+
+// A tile to fetch: KV head h, positions [key0, key0 + kPositions) of seq, of which `seen` are read.
+struct TileRef {
+  int seq = 0, h = 0, key0 = 0;
+  PositionRange seen;
+  bool valid = false;  // false past the worker's chunk
+};
+
+// The row ids of the tiles a warp issues, read ahead in two steps so neither read stalls the warp:
+// the page (a directory read) of the tile two ahead, then the row ids (page entries) of the tile
+// one ahead; `ids[0]` belongs to `next[0]`, the tile to issue now. Register arrays only, indexed
+// by constants (the pipeline shifts by copies).
+template <int D, class Rows>
+struct RowFetch {
+  using G = DecodeTile<D>;
+  TileRef next[3];
+  int ids[2][G::kIds];
+  typename Rows::Tile page2;  // page of next[2]
+  PairCursor at;              // cursor of next[2]
+
+  template <class A>
+  __device__ __forceinline__ void fill_ref(const A& a, std::int64_t g1, TileRef& ref) const {
+    ref = TileRef{at.seg.seq, at.h, (at.tile0 + at.t) * G::kPositions, at.seen(a.window), at.g < g1};
+  }
+  __device__ __forceinline__ void load_ids(const Rows& rows, const TileRef& ref, const typename Rows::Tile& page,
+                                           int lane, int (&out)[G::kIds]) const {
+#pragma unroll
+    for (int j = 0; j < G::kIds; ++j) {
+      const int i = lane + 32 * j;
+      out[j] = -1;  // a predicated read: nothing waits for it until the issue
+      if (ref.valid && i < G::kPositions && ref.seen.contains(ref.key0 + i)) out[j] = rows.row(page, i);
+    }
+  }
+  // Moves `at` one tile on (or past the chunk's end).
+  template <class A>
+  __device__ __forceinline__ void step_cursor(const A& a, std::int64_t g1, int heads_kv) {
+    if (at.g + 1 < g1) at.next(a, heads_kv, G::kPositions);
+    else at.g = g1;
+  }
+  // Starts at cursor c (the worker's first tile): pages of three tiles, ids of two, in parallel.
+  template <class A>
+  __device__ void start(const A& a, const PairCursor& c, std::int64_t g1, int heads_kv, int lane) {
+    at = c;
+    typename Rows::Tile pages[2];
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      fill_ref(a, g1, next[k]);
+      const typename Rows::Tile page = next[k].valid ? a.rows.tile(next[k].seq, next[k].key0) : typename Rows::Tile{};
+      if (k < 2) pages[k] = page;
+      else page2 = page;
+      if (k < 2) step_cursor(a, g1, heads_kv);
+    }
+    load_ids(a.rows, next[0], pages[0], lane, ids[0]);
+    load_ids(a.rows, next[1], pages[1], lane, ids[1]);
+  }
+  // After issuing next[0]: everything moves up one tile.
+  template <class A>
+  __device__ __forceinline__ void advance(const A& a, std::int64_t g1, int heads_kv, int lane) {
+    next[0] = next[1];
+#pragma unroll
+    for (int j = 0; j < G::kIds; ++j) ids[0][j] = ids[1][j];
+    next[1] = next[2];
+    load_ids(a.rows, next[1], page2, lane, ids[1]);
+    step_cursor(a, g1, heads_kv);
+    fill_ref(a, g1, next[2]);
+    if (next[2].valid) page2 = a.rows.tile(next[2].seq, next[2].key0);
+  }
+};
+
+// One warp's ring of KV stages in shared memory (swizzled tiles), filled by 16-byte cp.async
+// copies gathered through the tile's row ids (-1: a row nobody sees, zero-filled); one commit
+// group per ring slot, in ring order.
+template <int D, int Stages>
+struct StageRing {
+  using G = DecodeTile<D>;
+  std::uint32_t base;  // shared address of stage 0's K tile
+
+  __device__ std::uint32_t k(int s) const { return base + static_cast<std::uint32_t>(s) * 2 * G::kBytes; }
+  __device__ std::uint32_t v(int s) const { return k(s) + G::kBytes; }
+
+  template <class T>
+  __device__ __forceinline__ void issue(int s, const PoolView<const T>& pool, int hk, const int (&ids)[G::kIds],
+                                        int lane) const {
+    const int chunk = lane % G::kChunks;
+    const std::uint64_t policy = evict_first_policy();  // K/V is read once per step
+#pragma unroll
+    for (int i = 0; i < G::kLoads; ++i) {
+      const int r = lane / G::kChunks + i * G::kRowStep;
+      const int id = __shfl_sync(0xffffffffu, ids[i / G::kChunks], r % 32);
+      const std::int64_t off = id >= 0 ? pool.offset(id, hk) + chunk * 8 : 0;
+      const std::uint32_t dst = SwizzledTile<D>::offset(r, chunk);
+      cp_async_16(k(s) + dst, pool.k + off, id >= 0, policy);
+      cp_async_16(v(s) + dst, pool.v + off, id >= 0, policy);
+    }
+    cp_async_commit();
+  }
+  // Nothing to issue for this slot of the ring (keeps the group count in step).
+  __device__ __forceinline__ void skip() const { cp_async_commit(); }
+  // Blocks until the oldest issued stage has landed, and every lane sees it.
+  __device__ __forceinline__ void wait() const {
+    cp_async_wait<Stages - 2>();
+    __syncwarp();
+  }
+};
+
+// A pair's query rows [0, kDecodeRows) (zeros past rows), as the A operands of the score MMA.
+// D <= 128: straight from global memory into the fragments' registers (call before the wait for
+// the tile, so the latency overlaps it). D = 256: through a swizzled shared tile the fragments
+// read at each use (register budget), half the rows at a time, after the wait.
+template <int D, class T>
+__device__ __forceinline__ void load_query_registers(QFragments<D>& q, const T* src, int heads_q, const PairRows& p,
+                                                     int lane) {
+  const int g = lane >> 2, c = (lane & 3) * 2;
+  const T* rows[2];
+  bool valid[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    valid[h] = r < p.rows;
+    rows[h] = src + (valid[h] ? (static_cast<std::int64_t>(p.token(r)) * heads_q + p.head(r)) * D : 0);
+  }
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // a0 (g, c), a1 (g + 8, c), a2 (g, c + 8), a3 (g + 8, c + 8)
+      const int h = i & 1, col = 16 * kk + c + (i >> 1) * 8;
+      q.regs[kk][i] = valid[h] ? *reinterpret_cast<const std::uint32_t*>(rows[h] + col) : 0u;
+    }
+}
+
+template <int D, class T>
+__device__ void load_query_shared(std::uint32_t tile, const T* src, int heads_q, const PairRows& p, int lane) {
+  constexpr int kPerLane = kDecodeRows * (D / 8) / 32, kHalf = kPerLane / 2;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    uint4 v[kHalf];
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const int idx = lane + 32 * (half * kHalf + i), r = idx / (D / 8), chunk = idx % (D / 8);
+      v[i] = r < p.rows ? *reinterpret_cast<const uint4*>(
+                              src + (static_cast<std::int64_t>(p.token(r)) * heads_q + p.head(r)) * D + chunk * 8)
+                        : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const int idx = lane + 32 * (half * kHalf + i);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                       tile + SwizzledTile<D>::offset(idx / (D / 8), idx % (D / 8))),
+                   "r"(v[i].x), "r"(v[i].y), "r"(v[i].z), "r"(v[i].w));
+    }
+  }
+  __syncwarp();
+}
+
+// The output of a pair whose parts were merged into partial slot `slot`: each row folded with its
+// token's shared-prefix partials. A loop of its own (not inside the merge's unrolled rounds), so
+// the decode loop keeps its registers.
+template <class T, int D, class Rows>
+__device__ void write_merged(const DecodeArgs<T, Rows>& a, const PairRows& p, int slot, int lane) {
+  constexpr int kPerRow = D / 4;  // float4 per row
+  for (int idx = lane; idx < p.rows * kPerRow; idx += 32) {
+    const int r = idx / kPerRow, c = idx % kPerRow;
+    const std::int64_t row = static_cast<std::int64_t>(slot) * kDecodeRows + r;
+    float4 v = __ldcg(reinterpret_cast<const float4*>(a.partial_o + row * D) + c);
+    a.shared.template fold<D, 4>(p.token(r), p.head(r), a.heads_q, __ldcg(a.partial_lse + row),
+                                 [&](int e) { return 4 * c + e; },
+                                 [&](int e) -> float& { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; });
+    T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D + 4 * c;
+    dst[0] = from_float<T>(v.x), dst[1] = from_float<T>(v.y), dst[2] = from_float<T>(v.z), dst[3] = from_float<T>(v.w);
+  }
+}
+
+// Merges `members` partials (slots slot_of(i)) of a pair's rows into slot_of(0); the final merge
+// then writes the output. One warp; partials of other warps are read through L2.
+template <class T, int D, class Rows, class SlotOf>
+__device__ void merge_parts(const DecodeArgs<T, Rows>& a, const PairRows& p, int members, SlotOf&& slot_of, bool final,
+                            int lane) {
+  float w[kDecodeRows] = {};  // this lane's member's weight per row (0 for lanes >= members)
+  float lse[kDecodeRows];
+#pragma unroll
+  for (int r = 0; r < kDecodeRows; ++r)
+    lse[r] = r < p.rows && lane < members ? __ldcg(a.partial_lse + static_cast<std::int64_t>(slot_of(lane)) * kDecodeRows + r)
+                                          : -INFINITY;
+#pragma unroll
+  for (int r = 0; r < kDecodeRows; ++r) {
+    if (r >= p.rows) break;
+    float top = lse[r];
+    for (int off = 16; off > 0; off >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
+    const float e = top == -INFINITY ? 0.f : exp2f(lse[r] - top);
+    float sum = e;
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    w[r] = sum > 0.f ? e / sum : 0.f;
+    lse[r] = sum > 0.f ? top + log2f(sum) : -INFINITY;  // the merged lse (same in every lane)
+  }
+  // Every lane owns kOut float4 outputs of each round of rows, so all its loads of all members of a
+  // round are independent and in flight together.
+  constexpr int kPerRow = D / 4;                      // float4 per row
+  constexpr int kOut = 4;                             // float4 outputs per lane per round
+  constexpr int kRowsPerRound = kOut * 32 / kPerRow;  // 8 (D = 64), 4 (D = 128), 2 (D = 256)
+  const int dst_slot = slot_of(0);
+#pragma unroll
+  for (int r0 = 0; r0 < kDecodeRows; r0 += kRowsPerRound) {
+    if (r0 >= p.rows) break;
+    float4 acc[kOut];
+    int row[kOut], col[kOut];
+#pragma unroll
+    for (int j = 0; j < kOut; ++j) {
+      const int idx = lane + 32 * j;
+      row[j] = r0 + idx / kPerRow;
+      col[j] = idx % kPerRow;
+      acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int m = 0; m < kMergeFanIn; ++m) {
+      if (m >= members) break;
+      float wr[kRowsPerRound];  // member m's weight of each row of the round, in every lane
+#pragma unroll
+      for (int i = 0; i < kRowsPerRound; ++i) wr[i] = __shfl_sync(0xffffffffu, w[r0 + i < kDecodeRows ? r0 + i : 0], m);
+      const float* part = a.partial_o + static_cast<std::int64_t>(slot_of(m)) * kDecodeRows * D;
+#pragma unroll
+      for (int j = 0; j < kOut; ++j) {
+        if (row[j] >= p.rows) continue;
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(part + row[j] * D) + col[j]);
+        float wm = wr[0];
+#pragma unroll
+        for (int i = 1; i < kRowsPerRound; ++i) wm = row[j] - r0 == i ? wr[i] : wm;
+        acc[j].x += wm * v.x, acc[j].y += wm * v.y, acc[j].z += wm * v.z, acc[j].w += wm * v.w;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kOut; ++j)
+      if (row[j] < p.rows)
+        reinterpret_cast<float4*>(a.partial_o + (static_cast<std::int64_t>(dst_slot) * kDecodeRows + row[j]) * D)[col[j]] =
+            acc[j];
+  }
+  if (lane < p.rows) {  // the merged lse of row `lane` (every lane holds every row's)
+#pragma unroll
+    for (int r = 0; r < kDecodeRows; ++r)
+      if (r == lane) a.partial_lse[static_cast<std::int64_t>(dst_slot) * kDecodeRows + r] = lse[r];
+  }
+  if (final) {
+    __syncwarp();  // the merged partial, written by every lane, read back by every lane
+    write_merged<T, D>(a, p, dst_slot, lane);
+  }
+}
+
+// After worker `worker` wrote its partial of the pair at `c`: merges up the tree while this warp
+// is the last of its group to finish.
+template <class T, int D, class Rows>
+__device__ void merge_up(const DecodeArgs<T, Rows>& a, const PairCursor& c, const PairRows& p, int worker,
+                         std::int64_t chunk, int lane) {
+  const PartRange parts = parts_of(c.begin, c.begin + c.tiles, chunk);
+  const int n = parts.count();
+  int part = worker - parts.first;
+  int span = 1;
+  for (int level = 0; level < kMergeLevels; ++level, span *= kMergeFanIn) {
+    const int first = part / (span * kMergeFanIn) * (span * kMergeFanIn);
+    const int members = min(kMergeFanIn, (n - first + span - 1) / span);
+    const bool final = first == 0 && span * kMergeFanIn >= n;
+    auto slot_of = [&](int i) { return part_slot(parts.first + first + i * span, c.begin, chunk); };
+    if (members > 1) {
+      __threadfence();  // this part's writes before the count
+      __syncwarp();
+      int last = 0;
+      std::int32_t* count = a.merge_counts + static_cast<std::int64_t>(level) * a.slots + slot_of(0);
+      if (lane == 0) last = atomicAdd(count, 1) == members - 1;
+      if (!__shfl_sync(0xffffffffu, last, 0)) return;
+      __threadfence();  // the other parts' writes before reading them
+      if (lane == 0) *count = 0;
+    }
+    if (members > 1 || final) merge_parts<T, D>(a, p, members, slot_of, final, lane);
+    if (final) return;
+    part = first;
+  }
+}
+
+// The end of a pair's part in this worker: the output when the pair is whole here, else this
+// part's partial (o / l, lse per row), then the merge.
+template <class T, int D, class Rows>
+__device__ void finish_pair(const DecodeArgs<T, Rows>& a, const PairCursor& c, const PairRows& p, RowState<D>& st,
+                            int worker, std::int64_t chunk, int lane) {
+  const bool whole = parts_of(c.begin, c.begin + c.tiles, chunk).count() == 1;
+  const int slot = whole ? 0 : part_slot(worker, c.begin, chunk);
+  using R = RowHalf<D>;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = (lane >> 2) + 8 * h;
+    const R res(st, h);
+    if (r >= p.rows) continue;
+    auto column = [&](int j) { return R::column(j, lane); };
+    if (whole) {
+      a.shared.template fold<D, R::kValues>(p.token(r), p.head(r), a.heads_q, res.lse, column,
+                                            [&](int j) -> float& { return res.v(j); });
+      T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D;
+#pragma unroll
+      for (int j = 0; j < R::kValues; ++j) dst[column(j)] = from_float<T>(res.v(j));
+    } else {
+      const std::int64_t row = static_cast<std::int64_t>(slot) * kDecodeRows + r;
+      res.store_partial(a.partial_o + row * D, a.partial_lse + row, lane);
+    }
+  }
+  if (!whole) merge_up<T, D>(a, c, p, worker, chunk, lane);
+}
+
+template <class T, int D, class Rows>
+__device__ void zero_padding_rows(const DecodeArgs<T, Rows>& a) {
+  const std::int64_t row = static_cast<std::int64_t>(a.heads_q) * D;
+  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  for (std::int64_t i = *a.tokens * row + blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < a.width * row; i += stride)
+    a.out[i] = from_float<T>(0.f);
+}
+
+template <class T, int D, int Stages, int Warps, class Rows>
+__global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, Rows> a) {
+  using G = DecodeTile<D>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  zero_padding_rows<T, D>(a);
+  const int n = a.work.decode_count();
+  if (n == 0) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
+  const std::int64_t total = static_cast<std::int64_t>(a.work.decode_prefix[n]) * heads_kv;
+  const int worker = blockIdx.x * Warps + warp;
+  const std::int64_t chunk = decode_chunk(total, static_cast<std::int32_t>(gridDim.x) * Warps);
+  const std::int64_t g0 = worker * chunk;
+  if (g0 >= total) return;
+  const std::int64_t g1 = g0 + chunk < total ? g0 + chunk : total;
+
+  const std::uint32_t mine = smem_addr(smem) + warp * decode_warp_smem_bytes(D, Stages);
+  const StageRing<D, Stages> ring{mine};
+  const std::uint32_t q_tile = mine + Stages * 2 * G::kBytes;  // D = 256 only
+
+  PairCursor cc;  // the tile being computed
+  cc.seek(a, g0, heads_kv, G::kPositions, lane);
+  RowFetch<D, Rows> fetch;
+  fetch.start(a, cc, g1, heads_kv, lane);
+  // Issues the next tile into stage s (or an empty group past the chunk's end).
+  auto issue_next = [&](int s) {
+    if (!fetch.next[0].valid) return ring.skip();
+    ring.issue(s, a.pool, fetch.next[0].h, fetch.ids[0], lane);
+    fetch.advance(a, g1, heads_kv, lane);
+  };
+#pragma unroll
+  for (int s = 0; s < Stages - 1; ++s) issue_next(s);
+
+  QFragments<D> q;
+  q.tile = q_tile;
+  q.row0 = 0;
+  RowState<D> st;
+  int cur = 0;
+  for (std::int64_t g = g0; g < g1; ++g) {
+    const bool starts = cc.t == 0 || g == g0;
+    const PairRows p{cc.seg, group, cc.h, cc.seg.len * group};
+    if constexpr (kQueryInRegisters<D>) {
+      if (starts) load_query_registers<D>(q, a.q, a.heads_q, p, lane);
+    }
+    ring.wait();
+    if (starts) {
+      if constexpr (!kQueryInRegisters<D>) load_query_shared<D>(q_tile, a.q, a.heads_q, p, lane);
+      st = RowState<D>{};
+    }
+    issue_next(cur + Stages - 1 < Stages ? cur + Stages - 1 : cur - 1);  // the stage computed last iteration
+
+    const int key0 = (cc.tile0 + cc.t) * G::kPositions;
+    const bool full = key0 >= visible_begin(a.window, p.qpos(p.rows - 1)) && key0 + G::kPositions - 1 <= cc.seg.pos0;
+    float s[G::kNT][4];
+    qk<D, G::kNT, T>(s, q, ring.k(cur), 0, lane);
+    mask_tile<G::kNT>(s, p.rows, [&](int r) { return p.qpos(r); }, key0, a.window, full, a.scale_log2, lane);
+    st.absorb(s);
+    pv<D, G::kNT, T>(st.o, s, ring.v(cur), 0, lane);
+
+    if (cc.t == cc.tiles - 1 || g == g1 - 1) finish_pair<T, D>(a, cc, p, st, worker, chunk, lane);
+    if (g + 1 < g1) cc.next(a, heads_kv, G::kPositions);
+    cur = cur + 1 == Stages ? 0 : cur + 1;
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace cellkv::gpu::kernels

@@ -1,0 +1,222 @@
+// cellkv/gpu/launch/table_attention.cuh - the attention of a cache read through its position
+// tables (or the sequence layout's slots): the scratch the kernels need, allocated once, and the
+// launches of one layer's attention.
+//
+// Per layer, on the caller's stream (capturable: grids depend on the cache's sizes only, and the
+// kernels read the step's work from the step block):
+//   shared_prefix_attention  the step's shared prefixes (cell layout), read once for all who share
+//                            them; partial results per token and KV split (prefix_sharing.hpp)
+//   merge_shared_splits      the splits of every (run, token) merged into one partial
+//   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
+//   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together
+// The last two fold the shared partials into their outputs. Outside graph capture a kernel with no
+// work in the uploaded step is not launched at all.
+//
+// Supported, written out: element types __nv_bfloat16 and __half (fp32 accumulation), head dims
+// 64, 128 and 256, any H_q that is a multiple of H_kv. fp32 storage uses the reference kernel.
+#pragma once
+
+#include <cuda/stream_ref>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "cellkv/attention_plan.hpp"
+#include "cellkv/prefix_sharing.hpp"
+#include "cellkv/gpu/error.hpp"
+#include "cellkv/gpu/kernels/decode_attention.cuh"
+#include "cellkv/gpu/kernels/prefill_attention.cuh"
+#include "cellkv/gpu/kernels/shared_prefix_attention.cuh"
+#include "cellkv/gpu/kernels/tile_rows.cuh"
+#include "cellkv/gpu/launch/dispatch.cuh"
+#include "cellkv/gpu/memory.hpp"
+#include "cellkv/gpu/step_views.hpp"
+#include "cellkv/gpu/stream.hpp"
+
+#ifndef CELLKV_DECODE_STAGES
+#define CELLKV_DECODE_STAGES 3
+#endif
+#ifndef CELLKV_DECODE_WARPS
+#define CELLKV_DECODE_WARPS 8
+#endif
+
+namespace cellkv::gpu {
+
+// Element types the table kernels serve.
+template <class T>
+inline constexpr bool kTableKernelElement = std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
+
+template <class T>
+bool table_kernels_support(std::int32_t head_dim, std::int32_t heads_q, std::int32_t heads_kv) {
+  return kTableKernelElement<T> && (head_dim == 64 || head_dim == 128 || head_dim == 256) && heads_kv > 0 &&
+         heads_q > 0 && heads_q % heads_kv == 0;
+}
+
+inline constexpr int kMaxDynamicSmem = 227 * 1024;
+
+// The decode kernel's warps per block and stages per warp for head dim D: CELLKV_DECODE_WARPS and
+// CELLKV_DECODE_STAGES (8 and 3), fewer stages (not below 2), then fewer warps, where the block's
+// shared memory would pass 227 KB (D = 256 gets 4 warps of 3 stages).
+struct DecodeConfig {
+  int warps = 0, stages = 0;
+};
+constexpr DecodeConfig decode_config(int head_dim) {
+  DecodeConfig c{CELLKV_DECODE_WARPS, CELLKV_DECODE_STAGES};
+  while (c.warps * kernels::decode_warp_smem_bytes(head_dim, c.stages) > kMaxDynamicSmem) {
+    if (c.stages > 2 && c.warps * kernels::decode_warp_smem_bytes(head_dim, 2) <= kMaxDynamicSmem) --c.stages;
+    else --c.warps;
+  }
+  return c;
+}
+template <int D>
+inline constexpr DecodeConfig kDecode = decode_config(D);
+
+template <int D>
+inline constexpr int kPrefillStages = kernels::prefill_stages(D);
+
+// The attention geometry of a cache's shard; shared_slots: partial slots of the shared-prefix
+// kernel (0: the cache does not share prefixes; shared_slot_capacity in step_block.hpp).
+struct TableShape {
+  std::int32_t heads_q = 0, heads_kv = 0, head_dim = 0;
+  std::int32_t shared_slots = 0;
+};
+
+// Work counts of one window buffer in the uploaded step (the host knows them from its plan).
+struct WorkCounts {
+  std::int32_t decode = 0, prefill = 0, shared = 0;
+};
+
+// Rows is kernels::TableRows (cell layout) or kernels::SlotRows (sequence layout).
+template <class T, class Rows>
+class TableAttention {
+ public:
+  // Throws cellkv::gpu::Error when allocation or a CUDA query fails. Precondition: supported shape.
+  explicit TableAttention(const TableShape& shape) : shape_(shape) {
+    int device = 0, sms = 0;
+    CELLKV_CUDA_THROW(cudaGetDevice(&device));
+    CELLKV_CUDA_THROW(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    (void)dispatch_head_dim(shape.head_dim, [&](auto d) { return size_grids<decltype(d)::value>(sms); });
+    partial_o_ = DeviceBuffer<float>(static_cast<std::size_t>(slots_) * kDecodeRows * static_cast<std::size_t>(shape.head_dim));
+    partial_lse_ = DeviceBuffer<float>(static_cast<std::size_t>(slots_) * kDecodeRows);
+    merge_counts_ = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(kernels::kMergeLevels) * static_cast<std::size_t>(slots_));
+    CELLKV_CUDA_THROW(cudaMemset(merge_counts_.data(), 0, merge_counts_.bytes()));
+    const auto shared_rows = static_cast<std::size_t>(shape.shared_slots) * static_cast<std::size_t>(shape.heads_q);
+    shared_o_ = DeviceBuffer<float>(shared_rows * static_cast<std::size_t>(shape.head_dim));
+    shared_lse_ = DeviceBuffer<float>(shared_rows);
+  }
+
+  // The decode tile (positions) the host plans with.
+  [[nodiscard]] AttentionShape plan_shape() const noexcept {
+    return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim)};
+  }
+
+  // What the sharing planner needs: the kernel's geometry and the step block's capacities.
+  [[nodiscard]] SharingShape sharing_shape(std::int32_t max_runs) const noexcept {
+    return {shape_.heads_q / shape_.heads_kv, shape_.heads_kv, shared_grid_, max_runs, shape_.shared_slots};
+  }
+
+  // One layer's attention through window buffer `buffer` of window `window`: q, out [width, H_q, D];
+  // padding rows [T, width) of out become zeros. scale 0 means 1 / sqrt(D).
+  Status attend(std::int32_t buffer, std::int32_t window, const T* q, T* out, PoolView<const T> pool, const Rows& rows,
+                const StepBindings& b, std::int32_t tokens, std::int32_t width, WorkCounts work, float scale,
+                ::cuda::stream_ref stream) const {
+    if (scale == 0.f) scale = 1.f / std::sqrt(static_cast<float>(shape_.head_dim));
+    const float scale_log2 = scale * kernels::kLog2e;
+    const bool sharing = shape_.shared_slots > 0 && b.shared.counts != nullptr;
+    const kernels::SharedFold fold = sharing ? kernels::SharedFold{b.shared.own_begin, b.shared.token_slots,
+                                                                   shared_o_.data(), shared_lse_.data()}
+                                             : kernels::SharedFold{};
+    const kernels::PrefillArgs<T, Rows> pre{q,      out,        pool,       rows, shape_.heads_q, scale_log2,
+                                            window, b.segments, b.work[buffer], fold};
+    const kernels::DecodeArgs<T, Rows> dec{pre, b.tokens, width, partial_o_.data(), partial_lse_.data(),
+                                           merge_counts_.data(), slots_};
+    const kernels::SharedArgs<T, Rows> shared{pre, b.shared, b.token_pos, shared_o_.data(), shared_lse_.data()};
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CELLKV_CUDA_STATUS(cudaStreamIsCapturing(stream.get(), &capture));
+    const bool any = capture != cudaStreamCaptureStatusNone;
+    const bool prefill = any || work.prefill > 0, decode = any || work.decode > 0 || width > tokens;
+    return dispatch_head_dim(shape_.head_dim, [&](auto d) -> Status {
+      constexpr int D = decltype(d)::value;
+      if (sharing && (any || work.shared > 0)) {  // before both: they fold its partials in
+        if (const Status s = launch_shared<D>(shared, stream.get()); !s.ok()) return s;
+        kernels::merge_shared_splits<D><<<merge_grid_, kernels::kMergeThreads<D>, 0, stream.get()>>>(
+            kernels::MergeArgs{b.shared, shared_o_.data(), shared_lse_.data(), shape_.heads_q});
+        if (const Status s = detail::last_launch(); !s.ok()) return s;
+      }
+      if (prefill && decode) {  // fork: prefill on the side stream, decode here, then join
+        if (const Status s = fork_.record(stream); !s.ok()) return s;
+        if (const Status s = fork_.wait_on(side_); !s.ok()) return s;
+        if (const Status s = launch_prefill<D>(pre, side_.get()); !s.ok()) return s;
+        if (const Status s = join_.record(side_); !s.ok()) return s;
+        if (const Status s = launch_decode<D>(dec, stream.get()); !s.ok()) return s;
+        return join_.wait_on(stream);
+      }
+      return prefill ? launch_prefill<D>(pre, stream.get()) : launch_decode<D>(dec, stream.get());
+    });
+  }
+
+ private:
+  // Grid sizes from occupancy (persistent grids of one wave) and the decode's partial slots.
+  template <int D>
+  Status size_grids(int sms) {
+    auto* dec = kernels::decode_attention<T, D, kDecode<D>.stages, kDecode<D>.warps, Rows>;
+    auto* pre = kernels::prefill_attention<T, D, kPrefillStages<D>, Rows>;
+    constexpr int dec_smem = kernels::decode_smem_bytes<D, kDecode<D>.stages, kDecode<D>.warps>();
+    constexpr int pre_smem = kernels::prefill_smem_bytes<D, kPrefillStages<D>>();
+    CELLKV_CUDA_THROW(cudaFuncSetAttribute(dec, cudaFuncAttributeMaxDynamicSharedMemorySize, dec_smem));
+    CELLKV_CUDA_THROW(cudaFuncSetAttribute(pre, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
+    int dec_blocks = 0, pre_blocks = 0;
+    CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dec_blocks, dec, kDecode<D>.warps * 32, dec_smem));
+    CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pre_blocks, pre, kernels::kPrefillThreads, pre_smem));
+    decode_grid_ = sms * (dec_blocks > 0 ? dec_blocks : 1);
+    prefill_grid_ = sms * (pre_blocks > 0 ? pre_blocks : 1);
+    auto* shared = kernels::shared_prefix_attention<T, D, kPrefillStages<D>, Rows>;
+    CELLKV_CUDA_THROW(cudaFuncSetAttribute(shared, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
+    int shared_blocks = 0;
+    CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shared_blocks, shared, kernels::kPrefillThreads, pre_smem));
+    shared_grid_ = sms * (shared_blocks > 0 ? shared_blocks : 1);
+    merge_grid_ = sms * 8;
+    slots_ = 2 * decode_grid_ * kDecode<D>.warps;  // two partial slots per decode worker
+    return {};
+  }
+
+  // The dynamic shared-memory limit is raised right before each launch, in the same code as the
+  // launch: a template kernel instantiated in several translation units has one registration per
+  // unit, and an attribute set through one unit's kernel pointer does not reach another's.
+  // Launches `kernel` with `smem` bytes of dynamic shared memory (the limit raised first).
+  template <class Kernel, class Args>
+  static Status launch(Kernel* kernel, int grid, int threads, int smem, cudaStream_t stream, const Args& args) {
+    CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<grid, threads, smem, stream>>>(args);
+    return detail::last_launch();
+  }
+  template <int D>
+  Status launch_decode(const kernels::DecodeArgs<T, Rows>& a, cudaStream_t stream) const {
+    return launch(kernels::decode_attention<T, D, kDecode<D>.stages, kDecode<D>.warps, Rows>, decode_grid_,
+                  kDecode<D>.warps * 32, kernels::decode_smem_bytes<D, kDecode<D>.stages, kDecode<D>.warps>(), stream, a);
+  }
+  template <int D>
+  Status launch_prefill(const kernels::PrefillArgs<T, Rows>& a, cudaStream_t stream) const {
+    return launch(kernels::prefill_attention<T, D, kPrefillStages<D>, Rows>, prefill_grid_, kernels::kPrefillThreads,
+                  kernels::prefill_smem_bytes<D, kPrefillStages<D>>(), stream, a);
+  }
+  template <int D>
+  Status launch_shared(const kernels::SharedArgs<T, Rows>& a, cudaStream_t stream) const {
+    return launch(kernels::shared_prefix_attention<T, D, kPrefillStages<D>, Rows>, shared_grid_, kernels::kPrefillThreads,
+                  kernels::prefill_smem_bytes<D, kPrefillStages<D>>(), stream, a);
+  }
+
+  TableShape shape_;
+  int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0, merge_grid_ = 0;
+  std::int32_t slots_ = 0;
+  DeviceBuffer<float> partial_o_, partial_lse_;
+  DeviceBuffer<std::int32_t> merge_counts_;
+  DeviceBuffer<float> shared_o_, shared_lse_;  // [shared_slots][H_q][D], [shared_slots][H_q]
+  Stream side_;
+  Event fork_, join_;
+};
+
+}  // namespace cellkv::gpu
