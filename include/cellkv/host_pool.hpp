@@ -45,7 +45,9 @@ class HostPool {
                     p.begin() + static_cast<std::ptrdiff_t>(c.dst_row * row_elems()));
   }
 
-  // Applies what the cache changed since the last sync (fork copies), then acknowledges it.
+  // Applies what the cache changed since the last sync (fork and copy-on-write copies), then
+  // acknowledges it. K re-rotations after seq_add / seq_div (pending_changes().rotations) are not
+  // applied here: the host pool holds no RoPE parameters; they are acknowledged with the rest.
   template <class Cache>
   void sync(Cache& cache) {
     for (const RowCopy& c : cache.pending_changes().copies) copy_rows(c);

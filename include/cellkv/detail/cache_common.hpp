@@ -117,7 +117,9 @@ class CacheCommon {
     return id;
   }
 
-  // A new sequence sharing src's positions < upto (all of them when upto is omitted).
+  // A new sequence sharing src's positions < upto (all of them when upto is omitted); its length
+  // ends at src's highest held position below upto. The cell layout may refuse out_of_pages (a
+  // copied partial page) after the id checks.
   Result<std::int32_t> seq_clone(std::int32_t src, std::int32_t upto = -1) {
     if (const Status s = check_live(src); !s.ok()) return s.code();
     if (upto == -1) upto = len_[src];
