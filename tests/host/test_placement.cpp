@@ -51,6 +51,11 @@ std::vector<TokenView> describe_step(const Cache& cache) {
   return out;
 }
 
+}  // namespace
+
+// Probes with external linkage (clang warns about unused members of internal ones).
+namespace cellkv_concept_probes {
+using namespace cellkv;
 // What the concepts take and refuse, at compile time: a policy missing a hook is not a Placement,
 // a tag missing a trait is not a Layout; each layout names the placements it takes and its default.
 struct missing_freed {
@@ -68,6 +73,12 @@ struct missing_rows {
   static constexpr bool kAccepts = true;
   static constexpr bool kPositionTable = false;
 };
+}  // namespace cellkv_concept_probes
+
+namespace {
+using cellkv_concept_probes::missing_freed;
+using cellkv_concept_probes::missing_rows;
+
 static_assert(Placement<placement::lowest_free> && Placement<placement::clustered<8>> && Placement<test::after_last>);
 static_assert(!Placement<missing_freed> && !Placement<placement::none> && !Placement<int>);
 static_assert(Layout<layout::cell> && Layout<layout::sequence> && !Layout<missing_rows>);
