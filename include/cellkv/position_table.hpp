@@ -1,7 +1,8 @@
 // cellkv/position_table.hpp - each sequence's cells by position, in pages shared between forks.
 //
-// Every live sequence of the cell layout holds exactly one cell per position in [0, pos(s)). The
-// table maps (sequence, position) to that cell through pages of kPagePositions positions:
+// Every live sequence of the cell layout holds at most one cell per position in [0, pos(s)) (none:
+// a hole, see below), and one at pos(s) - 1. The table maps (sequence, position) to that cell
+// through pages of kPagePositions positions:
 //
 //   directory  int32 [max_seqs][dir_stride]      page id of positions [64 k, 64 k + 64) of s
 //   pages      int32 [page_capacity][64]         cell of each position of the page
