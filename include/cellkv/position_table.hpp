@@ -175,6 +175,11 @@ class PositionTable {
     std::int32_t pos = 0;
     std::int32_t cell = -1;
   };
+  // Page k of the sequence becomes `page` (shared with its holders); see apply.
+  struct Share {
+    std::int32_t k = 0;
+    std::int32_t page = 0;
+  };
 
   // Pages apply(seq, writes, new_len) may allocate (an upper bound): one per page it writes a cell
   // into that is absent or shared, one per shared page it clears an entry of, one if the final
@@ -199,10 +204,17 @@ class PositionTable {
   // length and new_len that no write fills become holes, pages left with only holes are released.
   // Writes at or past new_len are skipped (a rewind writes nothing but the truncation).
   // Preconditions: every write's pos < max(length(seq), new_len); position new_len - 1 holds a cell
-  // afterwards (or new_len == 0); free_pages() >= pages_needed(seq, writes, new_len).
-  void apply(std::int32_t seq, std::span<const Write> writes, std::int32_t new_len) {
+  // afterwards (or new_len == 0); free_pages() >= pages_needed(seq, writes, new_len). `shares`
+  // names pages the sequence takes as they are (seq_cp of whole pages): each page k absent for the
+  // sequence, untouched by the writes, and ending below new_len.
+  void apply(std::int32_t seq, std::span<const Write> writes, std::int32_t new_len,
+             std::span<const Share> shares = {}) {
     const std::int32_t ext = std::max(length(seq), new_len);
     extend(seq, ext);
+    for (const Share& sh : shares) {
+      ++refs_[static_cast<std::size_t>(sh.page)];
+      set_dir(seq, sh.k, sh.page);
+    }
     std::vector<std::int32_t> touched;
     for (const Write& w : writes) {
       if (w.pos >= new_len) continue;  // past the final length: truncated, never read

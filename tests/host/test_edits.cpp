@@ -457,3 +457,29 @@ TEST_CASE("out_of_pages: holes spread sequences over more table pages than the t
   CHECK(cache.cell_of(d, 0) == cache.cell_of(a, 0));
   REQUIRE(test::declare(cache, {d}).ok());
 }
+
+TEST_CASE("seq_cp shares src's whole table pages where dst has none, as a fork does") {
+  Cell cache({.max_write = 64, .max_cells = 512});
+  const auto a = filled(cache, 200);  // pages 0..2 full, page 3 partial
+  const auto b = cache.seq_new().value();
+  const std::int32_t pages = cache.table().pages_in_use();
+  REQUIRE(cache.seq_cp(a, b, 10, 190).ok());  // page 0 starts before 10, page 2 ends past 190
+  const auto view = cache.table().view();
+  CHECK(view.page_of(b, 64) == view.page_of(a, 64));  // page 1: shared
+  CHECK(cache.table().holders(view.page_of(a, 64)) == 2);
+  CHECK(view.page_of(b, 0) != view.page_of(a, 0));  // pages 0 and 2: entries written
+  CHECK(view.page_of(b, 128) != view.page_of(a, 128));
+  CHECK(cache.table().pages_in_use() == pages + 2);
+  CHECK(cache.pos(b).value() == 190);
+  for (std::int32_t p = 0; p < 190; ++p) CHECK(cache.cell_of(b, p) == (p < 10 ? -1 : cache.cell_of(a, p)));
+  // Editing the shared page copies it first: a keeps its positions.
+  REQUIRE(cache.seq_rm(b, 70, 72).ok());
+  CHECK(cache.cell_of(a, 70) >= 0);
+  CHECK(view.page_of(b, 64) != view.page_of(a, 64));
+  // The whole range of an empty dst: every full page shared, the partial one written.
+  const auto c = cache.seq_new().value();
+  REQUIRE(cache.seq_cp(a, c, kEnd, kEnd).ok());
+  for (const std::int32_t k : {0, 1, 2}) CHECK(view.page_of(c, 64 * k) == view.page_of(a, 64 * k));
+  CHECK(view.page_of(c, 192) != view.page_of(a, 192));
+  CHECK(cells_of(cache, c) == cells_of(cache, a));
+}

@@ -220,9 +220,23 @@ class KVCache<layout::cell, W, P, MaxSeqs>
     });
     if (collision) return Errc::position_collision;
     const std::int32_t new_len = writes.empty() ? dst_len : std::max(dst_len, writes.back().pos + 1);
-    if (table_.pages_needed(dst, writes, new_len) > table_.free_pages()) return Errc::out_of_pages;
+    // A whole page of src inside the range, ending in a held position, where dst has no page: dst
+    // shares it (as a fork does) instead of writing its entries.
+    std::vector<PositionTable::Share> shares;
+    std::vector<Write> rest;
+    for (std::size_t i = 0; i < writes.size();) {
+      const std::int32_t k = writes[i].pos / kPagePositions, first = k * kPagePositions;
+      std::size_t j = i;
+      while (j < writes.size() && writes[j].pos / kPagePositions == k) ++j;
+      const bool whole = first >= lo && first + kPagePositions <= hi && table_.cell(src, first + kPagePositions - 1) >= 0;
+      const bool absent = k >= PositionTable::pages_for(dst_len) || table_.view().page_of(dst, first) < 0;
+      if (whole && absent) shares.push_back({k, table_.view().page_of(src, first)});
+      else rest.insert(rest.end(), writes.begin() + static_cast<std::ptrdiff_t>(i), writes.begin() + static_cast<std::ptrdiff_t>(j));
+      i = j;
+    }
+    if (table_.pages_needed(dst, rest, new_len) > table_.free_pages()) return Errc::out_of_pages;
     for (const Write& w : writes) owners_[static_cast<std::size_t>(w.cell)].set(dst);
-    table_.apply(dst, writes, new_len);
+    table_.apply(dst, rest, new_len, shares);
     ends_at(dst);
     return new_len;
   }
