@@ -14,6 +14,7 @@
 #include "cellkv/pool_view.hpp"
 #include "cellkv/reference.hpp"
 #include "cellkv/seq_set.hpp"
+#include "cellkv/sequence_state.hpp"
 #include "cellkv/sharding.hpp"
 #include "cellkv/sharing_planner.hpp"
 #include "cellkv/status.hpp"

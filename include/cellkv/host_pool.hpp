@@ -27,6 +27,10 @@ class HostPool {
   }
 
   [[nodiscard]] std::int64_t row_elems() const noexcept { return static_cast<std::int64_t>(heads_kv_) * head_dim_; }
+  [[nodiscard]] std::int32_t layers() const noexcept { return static_cast<std::int32_t>(k_.size()); }
+  [[nodiscard]] std::int32_t heads_kv() const noexcept { return heads_kv_; }
+  [[nodiscard]] std::int32_t head_dim() const noexcept { return head_dim_; }
+  [[nodiscard]] std::int64_t rows() const noexcept { return rows_; }
   [[nodiscard]] PoolView<T> view(std::int32_t layer) {
     return {k_[static_cast<std::size_t>(layer)].data(), v_[static_cast<std::size_t>(layer)].data(), rows_, heads_kv_,
             head_dim_};
@@ -41,7 +45,9 @@ class HostPool {
                     p.begin() + static_cast<std::ptrdiff_t>(c.dst_row * row_elems()));
   }
 
-  // Applies what the cache changed since the last sync (fork copies), then acknowledges it.
+  // Applies what the cache changed since the last sync (fork and copy-on-write copies), then
+  // acknowledges it. K re-rotations after seq_add / seq_div (pending_changes().rotations) are not
+  // applied here: the host pool holds no RoPE parameters; they are acknowledged with the rest.
   template <class Cache>
   void sync(Cache& cache) {
     for (const RowCopy& c : cache.pending_changes().copies) copy_rows(c);

@@ -1,7 +1,8 @@
 // cellkv/position_table.hpp - each sequence's cells by position, in pages shared between forks.
 //
-// Every live sequence of the cell layout holds exactly one cell per position in [0, pos(s)). The
-// table maps (sequence, position) to that cell through pages of kPagePositions positions:
+// Every live sequence of the cell layout holds at most one cell per position in [0, pos(s)) (none:
+// a hole, see below), and one at pos(s) - 1. The table maps (sequence, position) to that cell
+// through pages of kPagePositions positions:
 //
 //   directory  int32 [max_seqs][dir_stride]      page id of positions [64 k, 64 k + 64) of s
 //   pages      int32 [page_capacity][64]         cell of each position of the page
@@ -13,12 +14,20 @@
 // are never uploaded or read.
 //
 // Sharing: a fork shares the source's full pages (a reference count per page) and copies the
-// entries of its last, partial page. A page shared by several sequences is full for all of them;
-// a sequence that rewinds into a shared page first takes a private copy of the part it keeps
-// (copy on write), so nobody else's positions change. Because every full page then ends in a cell
-// that no other page holds, and every partial page is the last page of exactly one sequence, the
-// live pages never exceed ceil(cells in use / 64) + 2 max_seqs: `page_capacity` is that bound for
-// max_cells cells, and the table's memory grows with the cells, not with max_seqs x max_len.
+// entries of its last, partial page. A page shared by several sequences covers positions below
+// every holder's length; a sequence that rewinds into a shared page, or edits an entry of one
+// (`apply`), first takes a private copy (copy on write), so nobody else's positions change. Without
+// holes every full page then ends in a cell that no other page holds, and every partial page is the
+// last page of exactly one sequence, so the live pages never exceed ceil(cells in use / 64) +
+// 2 max_seqs: `page_capacity` is that bound for max_cells cells, and the table's memory grows with
+// the cells, not with max_seqs x max_len.
+//
+// Holes: a position below a sequence's length that it does not hold (after seq_rm of a range, a
+// shift, a copy) has the entry -1; a page of only holes is not kept (directory entry -1). A
+// sequence's length is one past its highest held position, so its last position is never a hole.
+// Holes can spread a sequence's cells over more pages than the bound above counts: edits and
+// steps that need more pages than are free are refused by the cache (Errc::out_of_pages), using
+// pages_needed() / free_pages(); the table itself never grows.
 #pragma once
 
 #include <algorithm>
@@ -72,21 +81,62 @@ class PositionTable {
   [[nodiscard]] std::int32_t pages_in_use() const noexcept {
     return page_capacity_ - static_cast<std::int32_t>(free_pages_.size());
   }
+  [[nodiscard]] std::int32_t free_pages() const noexcept { return static_cast<std::int32_t>(free_pages_.size()); }
+  // Positions a sequence can reach: [0, position_limit()).
+  [[nodiscard]] std::int32_t position_limit() const noexcept { return dir_stride_ * kPagePositions; }
 
   // ---- lookups ----
-  // Sequences holding page `page` (0: free); more than one means the page is shared by forks.
-  [[nodiscard]] std::int32_t holders(std::int32_t page) const noexcept { return refs_[static_cast<std::size_t>(page)]; }
+  // Sequences holding page `page` (0: free, or page < 0: no page); more than one means shared.
+  [[nodiscard]] std::int32_t holders(std::int32_t page) const noexcept {
+    return page < 0 ? 0 : refs_[static_cast<std::size_t>(page)];
+  }
   [[nodiscard]] std::int32_t length(std::int32_t seq) const noexcept { return length_[static_cast<std::size_t>(seq)]; }
-  // Cell of position pos of seq; precondition 0 <= pos < length(seq).
+  // Cell of position pos of seq, -1 for a hole; precondition 0 <= pos < length(seq).
   [[nodiscard]] std::int32_t cell(std::int32_t seq, std::int32_t pos) const noexcept { return view().cell(seq, pos); }
-  // Calls f(cell) for positions [begin, end) of seq, in order; precondition end <= length(seq).
+  // Calls f(pos, cell) for the held positions in [begin, end) of seq, in order (holes skipped);
+  // precondition end <= length(seq).
   template <class F>
-  void for_each_cell(std::int32_t seq, std::int32_t begin, std::int32_t end, F&& f) const {
-    for (std::int32_t p = begin; p < end;) {
+  void for_each_position(std::int32_t seq, std::int32_t begin, std::int32_t end, F&& f) const {
+    for (std::int32_t p = std::max(begin, 0); p < end;) {
       const std::int32_t page = dir(seq, p / kPagePositions);
       const std::int32_t stop = std::min(end, (p / kPagePositions + 1) * kPagePositions);
-      for (; p < stop; ++p) f(flat_[page_entry(page, p % kPagePositions)]);
+      if (page < 0) {
+        p = stop;
+        continue;
+      }
+      for (; p < stop; ++p)
+        if (const std::int32_t c = flat_[page_entry(page, p % kPagePositions)]; c >= 0) f(p, c);
     }
+  }
+  // Calls f(cell) for the held positions in [begin, end) of seq, in order (holes skipped).
+  template <class F>
+  void for_each_cell(std::int32_t seq, std::int32_t begin, std::int32_t end, F&& f) const {
+    for_each_position(seq, begin, end, [&](std::int32_t, std::int32_t c) { f(c); });
+  }
+  // Highest held position of seq below `end` (<= length(seq)), -1 when none.
+  [[nodiscard]] std::int32_t last_below(std::int32_t seq, std::int32_t end) const noexcept {
+    for (std::int32_t k = pages_for(end); k-- > 0;) {
+      const std::int32_t page = dir(seq, k);
+      if (page < 0) continue;
+      for (std::int32_t p = std::min(end, (k + 1) * kPagePositions); p-- > k * kPagePositions;)
+        if (flat_[page_entry(page, p % kPagePositions)] >= 0) return p;
+    }
+    return -1;
+  }
+  // Lowest held position of seq, -1 when none.
+  [[nodiscard]] std::int32_t first_held(std::int32_t seq) const noexcept {
+    std::int32_t first = -1;
+    const std::int32_t len = length(seq);
+    for (std::int32_t k = 0; k < pages_for(len) && first < 0; ++k) {
+      const std::int32_t page = dir(seq, k);
+      if (page < 0) continue;
+      for (std::int32_t p = k * kPagePositions; p < std::min(len, (k + 1) * kPagePositions); ++p)
+        if (flat_[page_entry(page, p % kPagePositions)] >= 0) {
+          first = p;
+          break;
+        }
+    }
+    return first;
   }
   // A view of the host copy (the same layout as the device copy).
   [[nodiscard]] PositionTableView view() const noexcept {
@@ -104,16 +154,87 @@ class PositionTable {
     ++len;
   }
 
-  // dst (empty) gets src's positions [0, upto): full pages shared, the partial tail copied.
+  // dst (empty) gets src's positions [0, upto): full pages shared, the partial tail copied (a page
+  // of only holes stays absent). upto - 1 may be a hole; the caller then truncates dst.
   void share_prefix(std::int32_t src, std::int32_t dst, std::int32_t upto) {
     const std::int32_t full = upto / kPagePositions, tail = upto % kPagePositions;
     for (std::int32_t k = 0; k < full; ++k) {
       const std::int32_t page = dir(src, k);
-      ++refs_[static_cast<std::size_t>(page)];
+      if (page >= 0) ++refs_[static_cast<std::size_t>(page)];
       set_dir(dst, k, page);
     }
-    if (tail != 0) set_dir(dst, full, copy_of(dir(src, full), tail));
+    if (tail != 0) {
+      const std::int32_t page = dir(src, full);
+      set_dir(dst, full, page < 0 ? -1 : copy_of(page, tail));
+    }
     length_[static_cast<std::size_t>(dst)] = upto;
+  }
+
+  // One entry of an edit: position pos of the sequence gets `cell` (-1: becomes a hole).
+  struct Write {
+    std::int32_t pos = 0;
+    std::int32_t cell = -1;
+  };
+  // Page k of the sequence becomes `page` (shared with its holders); see apply.
+  struct Share {
+    std::int32_t k = 0;
+    std::int32_t page = 0;
+  };
+
+  // Pages apply(seq, writes, new_len) may allocate (an upper bound): one per page it writes a cell
+  // into that is absent or shared, one per shared page it clears an entry of, one if the final
+  // truncation splits a shared page.
+  [[nodiscard]] std::int32_t pages_needed(std::int32_t seq, std::span<const Write> writes, std::int32_t new_len) const {
+    const std::int32_t old_pages = pages_for(length(seq));
+    std::vector<std::int32_t> ks;
+    for (const Write& w : writes) {
+      if (w.pos >= new_len) continue;  // truncated anyway
+      const std::int32_t k = w.pos / kPagePositions;
+      const std::int32_t page = k < old_pages ? dir(seq, k) : -1;
+      if (page < 0 ? w.cell >= 0 : holders(page) > 1) ks.push_back(k);
+    }
+    std::sort(ks.begin(), ks.end());
+    auto n = static_cast<std::int32_t>(std::unique(ks.begin(), ks.end()) - ks.begin());
+    const std::int32_t k = new_len / kPagePositions;
+    if (new_len % kPagePositions != 0 && k < old_pages && holders(dir(seq, k)) > 1) ++n;
+    return n;
+  }
+
+  // Applies writes (in order) to seq and sets its length to new_len; positions between the old
+  // length and new_len that no write fills become holes, pages left with only holes are released.
+  // Writes at or past new_len are skipped (a rewind writes nothing but the truncation).
+  // Preconditions: every write's pos < max(length(seq), new_len); position new_len - 1 holds a cell
+  // afterwards (or new_len == 0); free_pages() >= pages_needed(seq, writes, new_len). `shares`
+  // names pages the sequence takes as they are (seq_cp of whole pages): each page k absent for the
+  // sequence, untouched by the writes, and ending below new_len.
+  void apply(std::int32_t seq, std::span<const Write> writes, std::int32_t new_len,
+             std::span<const Share> shares = {}) {
+    const std::int32_t ext = std::max(length(seq), new_len);
+    extend(seq, ext);
+    for (const Share& sh : shares) {
+      ++refs_[static_cast<std::size_t>(sh.page)];
+      set_dir(seq, sh.k, sh.page);
+    }
+    std::vector<std::int32_t> touched;
+    for (const Write& w : writes) {
+      if (w.pos >= new_len) continue;  // past the final length: truncated, never read
+      const std::int32_t k = w.pos / kPagePositions;
+      std::int32_t page = dir(seq, k);
+      if (page < 0) {
+        if (w.cell < 0) continue;
+        page = allocate();
+        for (std::int32_t i = 0; i < kPagePositions; ++i) set(page_entry(page, i), -1);
+        set_dir(seq, k, page);
+      } else if (holders(page) > 1) {
+        const std::int32_t copy = copy_of(page, std::min(kPagePositions, ext - k * kPagePositions));
+        release(page);
+        set_dir(seq, k, page = copy);
+      }
+      set(page_entry(page, w.pos % kPagePositions), w.cell);
+      touched.push_back(k);
+    }
+    truncate(seq, new_len);
+    for (const std::int32_t k : touched) release_if_empty(seq, k);
   }
 
   // Keeps positions [0, keep) of seq; releases the rest.
@@ -121,11 +242,11 @@ class PositionTable {
     std::int32_t& len = length_[static_cast<std::size_t>(seq)];
     if (keep >= len) return;
     for (std::int32_t k = pages_for(keep); k < pages_for(len); ++k) {
-      release(dir(seq, k));
+      if (dir(seq, k) >= 0) release(dir(seq, k));
       flat_[dir_entry(seq, k)] = -1;  // stale on the device: nothing reads past the length
     }
     const std::int32_t k = keep / kPagePositions, tail = keep % kPagePositions;
-    if (tail != 0 && refs_[static_cast<std::size_t>(dir(seq, k))] > 1) {  // copy on write
+    if (tail != 0 && holders(dir(seq, k)) > 1) {  // copy on write
       const std::int32_t shared = dir(seq, k);
       set_dir(seq, k, copy_of(shared, tail));
       release(shared);
@@ -167,6 +288,35 @@ class PositionTable {
     changed_.push_back(static_cast<std::int32_t>(i));
   }
   void set_dir(std::int32_t seq, std::int32_t k, std::int32_t page) { set(dir_entry(seq, k), page); }
+
+  // Length becomes ext (>= length): the new positions are holes, written as such (entries of the
+  // last page, directory entries of the pages past it) so the device copy reads them right. The
+  // last page is private (it holds position length - 1, or is absent).
+  void extend(std::int32_t seq, std::int32_t ext) {
+    std::int32_t& len = length_[static_cast<std::size_t>(seq)];
+    if (ext <= len) return;
+    if (len % kPagePositions != 0) {
+      const std::int32_t k = len / kPagePositions, page = dir(seq, k);
+      if (page >= 0)
+        for (std::int32_t p = len; p < std::min(ext, (k + 1) * kPagePositions); ++p)
+          set(page_entry(page, p % kPagePositions), -1);
+    }
+    for (std::int32_t k = pages_for(len); k < pages_for(ext); ++k) set_dir(seq, k, -1);
+    len = ext;
+  }
+
+  // Releases page k of seq when it holds only holes below the length (such a page was written,
+  // so it is private).
+  void release_if_empty(std::int32_t seq, std::int32_t k) {
+    const std::int32_t len = length(seq);
+    if (k >= pages_for(len)) return;
+    const std::int32_t page = dir(seq, k);
+    if (page < 0) return;
+    for (std::int32_t p = k * kPagePositions; p < std::min(len, (k + 1) * kPagePositions); ++p)
+      if (flat_[page_entry(page, p % kPagePositions)] >= 0) return;
+    release(page);
+    set_dir(seq, k, -1);
+  }
 
   // A private page holding the first `count` entries of `page`.
   std::int32_t copy_of(std::int32_t page, std::int32_t count) {

@@ -56,7 +56,7 @@ class SharingPlanner {
   void split(std::span<const std::int32_t> segs, std::int32_t k, const SharedWork& out) {
     std::vector<std::int32_t> alive;
     for (const std::int32_t s : segs) {
-      if (full_pages(s) > k) alive.push_back(s);
+      if (full_pages(s) > k && page(s, k) >= 0) alive.push_back(s);  // an absent page (holes) is not shared
       else out.own_begin[s] = k * kPagePositions;
     }
     std::sort(alive.begin(), alive.end(), [&](std::int32_t a, std::int32_t b) {
@@ -77,7 +77,7 @@ class SharingPlanner {
     std::int32_t k = k0 + 1;
     for (;; ++k) {
       bool same = true;
-      for (const std::int32_t s : group) same = same && full_pages(s) > k && page(s, k) == page(group[0], k);
+      for (const std::int32_t s : group) same = same && full_pages(s) > k && page(s, k) >= 0 && page(s, k) == page(group[0], k);
       if (!same) break;
     }
     runs_.push_back(Run{k0, k, static_cast<std::int32_t>(members_.size()), static_cast<std::int32_t>(group.size()), 1});

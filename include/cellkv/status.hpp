@@ -21,7 +21,7 @@ enum class Errc : std::uint8_t {
   bad_sequence_id,    // id outside [0, max_seqs)
   sequence_not_live,  // id in range but not created by seq_new / seq_clone, or already removed
   out_of_cells,       // cell layout: fewer free cells than tokens in the step
-  sequence_full,      // sequence layout: a sequence would pass max_len
+  sequence_full,      // a position would pass max_len (sequence layout) or position_limit() (cell layout)
   // verbs
   no_free_sequence,   // seq_new / seq_clone: every sequence id is live
   bad_position,       // rewind / seq_clone `upto` outside [0, pos(id)]
@@ -39,6 +39,18 @@ enum class Errc : std::uint8_t {
   size_overflow,       // a configuration's sizes overflow what cellkv can index or count (size_t, int32)
   bad_device_row,      // a device write met a row outside the pool (its data went to the scratch row)
   out_of_memory,       // a configuration needs more host memory than the budget it was checked against
+  // sequence edits (seq_rm / seq_cp / seq_add / seq_div over a position range)
+  position_collision,     // the edit would give one sequence two cells at one position
+  unsupported_by_layout,  // the layout cannot make this edit (docs/design.md section 4, "Sequence edits")
+  out_of_pages,           // cell layout: the position table has too few free pages for the edit or step
+  // saved sequence state (sequence_state.hpp)
+  state_truncated,     // the bytes end before the header or payload they declare
+  state_bad_magic,     // not a cellkv sequence state
+  state_bad_version,   // a format version this build does not read
+  state_mismatch,      // saved from a pool of another shape, element type or window set
+  state_corrupt,       // the checksum or the header's own fields disagree with the bytes
+  state_too_large,     // more positions than the cache could ever hold
+  io_error,            // a state file could not be opened, read or written
 };
 
 [[nodiscard]] constexpr std::string_view describe(Errc e) noexcept {
@@ -49,7 +61,8 @@ enum class Errc : std::uint8_t {
     case Errc::bad_sequence_id: return "bad sequence id: outside [0, max_seqs)";
     case Errc::sequence_not_live: return "sequence not live: the id was never created or was removed";
     case Errc::out_of_cells: return "out of cells: fewer free cells than tokens in the step";
-    case Errc::sequence_full: return "sequence full: the step would pass max_len for a sequence";
+    case Errc::sequence_full:
+      return "sequence full: a position would pass the sequence's limit (max_len, or the cell layout's position_limit())";
     case Errc::no_free_sequence: return "no free sequence id: every id is live";
     case Errc::bad_position: return "bad position: outside [0, pos(id)]";
     case Errc::no_step_declared: return "no step declared: call declare_step before the forward";
@@ -65,6 +78,22 @@ enum class Errc : std::uint8_t {
     case Errc::bad_device_row:
       return "bad device row: a device write met a row outside the pool; the write went to the scratch row";
     case Errc::out_of_memory: return "out of memory: the configuration needs more host memory than the budget";
+    case Errc::position_collision:
+      return "position collision: the edit would give a sequence two cells at one position";
+    case Errc::unsupported_by_layout:
+      return "unsupported by layout: this layout cannot make the edit (the sequence layout keeps rows at their "
+             "positions, so it removes only a suffix and never copies or moves positions)";
+    case Errc::out_of_pages:
+      return "out of pages: the position table has too few free pages for the edit or step (holes spread "
+             "positions over more pages)";
+    case Errc::state_truncated: return "state truncated: the bytes end before the header or payload they declare";
+    case Errc::state_bad_magic: return "state bad magic: not a cellkv sequence state";
+    case Errc::state_bad_version: return "state bad version: a format version this build does not read";
+    case Errc::state_mismatch:
+      return "state mismatch: saved from a pool of another shape, element type or window set";
+    case Errc::state_corrupt: return "state corrupt: the checksum or the header's fields disagree with the bytes";
+    case Errc::state_too_large: return "state too large: more positions than the cache could ever hold";
+    case Errc::io_error: return "I/O error: a state file could not be opened, read or written";
   }
   return "unknown status";
 }

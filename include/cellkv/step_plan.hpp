@@ -21,12 +21,26 @@ struct CacheConfig {
 };
 
 // A device-to-device copy of `rows` consecutive pool rows in every layer, from src_row to dst_row.
-// The sequence layout's fork (seq_clone) reports one; it must run before the next step's write.
+// The sequence layout's fork (seq_clone) reports one; the cell layout reports one per cell that
+// seq_add / seq_div copied on write (rows = 1). Copies run in order, before the next step's write
+// and before the rotations.
 struct RowCopy {
   std::int64_t src_row = 0;
   std::int64_t dst_row = 0;
   std::int32_t rows = 0;
   friend bool operator==(const RowCopy&, const RowCopy&) = default;
+};
+
+// A cell whose K must be re-rotated (RoPE) from the position it was computed at to its new one,
+// after seq_add / seq_div moved it (cell layout). `old_pos` is the position the cell's K encodes
+// once the pending copies have run; `new_pos` is the cell's position now (old_pos != new_pos). The
+// list holds each cell at most once, no free cell, and runs after the copies (order within the
+// list is free: entries are independent).
+struct RowRotation {
+  std::int32_t cell = 0;
+  std::int32_t old_pos = 0;
+  std::int32_t new_pos = 0;
+  friend bool operator==(const RowRotation&, const RowRotation&) = default;
 };
 
 // Rows [begin, end) a token sees (the sequence layout's form of visibility); empty when begin >= end.
@@ -80,9 +94,12 @@ struct TableChanges {
 };
 
 // What changed since the last `acknowledge_changes()`, for an incremental device upload.
+// Apply in this order: copies, then rotations (the table writes are independent of both).
 struct PendingChanges {
-  std::span<const RowCopy> copies;  // sequence layout: fork copies, in the order to run them
+  std::span<const RowCopy> copies;  // fork copies (sequence layout), copy-on-write cells of
+                                    // seq_add / seq_div (cell layout), in the order to run them
   TableChanges table;               // cell layout: position-table entries to write
+  std::span<const RowRotation> rotations;  // cell layout: K rows to re-rotate after the copies
 };
 
 }  // namespace cellkv

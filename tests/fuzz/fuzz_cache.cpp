@@ -7,7 +7,10 @@
 //   byte 1     sizes: max_write, max_cells / max_len
 //   byte 2     bit 0: warm-up (the big types fill their cache past 4096 rows first);
 //              bits 1..: max_seqs (0 = MaxSeqs, or 1..8)
-//   bytes 3..  every operation and its arguments (ByteEntropy: one byte per choice of <= 256)
+//   bytes 3..  every operation and its arguments (ByteEntropy: one byte per choice of <= 256):
+//              steps, seq_new / clone / rm / rewind / clear, the sequence edits (seq_rm of a
+//              range, seq_cp, seq_keep, seq_add, seq_div, seq_pos_min / max, restore_positions),
+//              acknowledgements
 //
 // Type kExtremes draws every CacheConfig field from int32 extremes and edges, checks validate,
 // host_bytes and the constructor against the contract's formula, and drives the cache when it is

@@ -16,6 +16,13 @@
 // owner's position to the oracle's row; the live pages stay within their bound); for the sequence
 // layout the visible row range and the pending fork copies.
 //
+// Sequence edits (seq_rm of a range, seq_cp, seq_keep, seq_add, seq_div, seq_pos_min/max) are
+// checked the same way; the cell layout's pending copy-on-write copies and re-rotations are
+// compared with the oracle's, and the device table must read -1 at every hole. The oracle does
+// not model table pages: a step or fork refused with out_of_pages must need more pages than the
+// table has free (computed exactly from lengths), an edit refused so must find fewer free pages
+// than the pages it touches, plus one.
+//
 // A mismatch is returned as a message (operation number, operation, expected vs got, the last
 // few operations); the driver never aborts, so the caller can print its seed.
 #pragma once
@@ -104,6 +111,10 @@ inline std::string_view errc_name(Errc e) {
     case Errc::no_free_sequence: return "no_free_sequence";
     case Errc::bad_position: return "bad_position";
     case Errc::no_step_declared: return "no_step_declared";
+    case Errc::bad_argument: return "bad_argument";
+    case Errc::position_collision: return "position_collision";
+    case Errc::unsupported_by_layout: return "unsupported_by_layout";
+    case Errc::out_of_pages: return "out_of_pages";
     default: return describe(e);
   }
 }
@@ -129,8 +140,11 @@ inline std::string bits_str(std::span<const std::uint8_t> bits) {
 
 // ---- counters a test can assert on (that refusals and forks really happened) ----
 
-enum class OpKind : std::uint8_t { declare_step, seq_new, seq_clone, seq_rm, rewind, query, acknowledge, copy, clear };
-inline constexpr std::size_t kOpKinds = 9;
+enum class OpKind : std::uint8_t {
+  declare_step, seq_new, seq_clone, seq_rm, rewind, query, acknowledge, copy, clear,
+  seq_rm_range, seq_cp, seq_keep, seq_add, seq_div, pos_range, restore
+};
+inline constexpr std::size_t kOpKinds = 16;
 inline constexpr std::size_t kCodes = 32;
 
 struct DriverStats {
@@ -143,6 +157,10 @@ struct DriverStats {
   std::int32_t max_live = 0;
   std::int32_t max_pages = 0;   // most position-table pages in use (cell layout)
   std::int32_t max_seq_len = 0;  // longest sequence, in positions
+  std::int64_t holes = 0;        // states checked with at least one hole (cell layout)
+  std::int64_t cow_copies = 0;   // copy-on-write copies seen pending (cell layout)
+  std::int64_t rotations = 0;    // re-rotations seen pending (cell layout)
+  std::int64_t edits_ok = 0;     // range edits (seq_rm range, seq_cp, seq_add, seq_div) that succeeded
 
   [[nodiscard]] std::int64_t count(Errc e) const { return codes[static_cast<std::size_t>(e)]; }
   [[nodiscard]] std::int64_t total_ops() const {
@@ -160,13 +178,19 @@ struct DriverStats {
     max_live = std::max(max_live, o.max_live);
     max_pages = std::max(max_pages, o.max_pages);
     max_seq_len = std::max(max_seq_len, o.max_seq_len);
+    holes += o.holes;
+    cow_copies += o.cow_copies;
+    rotations += o.rotations;
+    edits_ok += o.edits_ok;
   }
+  [[nodiscard]] std::int64_t op(OpKind k) const { return ops[static_cast<std::size_t>(k)]; }
 };
 
 // Relative weights of the operations the driver draws (any non-negative values, not all zero).
 struct OpMix {
   std::uint32_t declare_step = 420, seq_new = 100, seq_clone = 90, seq_rm = 70, rewind = 110, query = 80,
                 acknowledge = 115, copy = 10, clear = 5;
+  std::uint32_t seq_rm_range = 45, seq_cp = 40, seq_keep = 3, seq_add = 60, seq_div = 25, pos_range = 20, restore = 25;
 };
 
 // ---- the driver ----
@@ -195,7 +219,9 @@ class OpDriver {
     desc_.clear();
     ++op_number_;
     const std::array<std::uint32_t, kOpKinds> w{mix_.declare_step, mix_.seq_new, mix_.seq_clone, mix_.seq_rm, mix_.rewind,
-                                                 mix_.query, mix_.acknowledge, mix_.copy, mix_.clear};
+                                                 mix_.query, mix_.acknowledge, mix_.copy, mix_.clear,
+                                                 mix_.seq_rm_range, mix_.seq_cp, mix_.seq_keep, mix_.seq_add,
+                                                 mix_.seq_div, mix_.pos_range, mix_.restore};
     std::uint32_t total = 0;
     for (const std::uint32_t x : w) total += x;
     std::uint32_t r = e.below(std::max<std::uint32_t>(total, 1));
@@ -212,6 +238,13 @@ class OpDriver {
       case OpKind::acknowledge: ok = op_acknowledge(); break;
       case OpKind::copy: ok = op_copy(); break;
       case OpKind::clear: ok = op_clear(); break;
+      case OpKind::seq_rm_range: ok = op_seq_rm_range(e); break;
+      case OpKind::seq_cp: ok = op_seq_cp(e); break;
+      case OpKind::seq_keep: ok = op_seq_keep(e); break;
+      case OpKind::seq_add: ok = op_seq_move(e, false); break;
+      case OpKind::seq_div: ok = op_seq_move(e, true); break;
+      case OpKind::pos_range: ok = op_pos_range(e); break;
+      case OpKind::restore: ok = op_restore(e); break;
     }
     remember(desc_);
     if (ok) ok = check_state(e);
@@ -334,7 +367,9 @@ class OpDriver {
     desc_ = "declare_step(" + list_str(ids) + ")";
     ++stats_.ops[static_cast<std::size_t>(OpKind::declare_step)];
     const Cache before = cache_;
-    const oracle::Verdict verdict = model_.admit(ids);
+    oracle::Verdict verdict = model_.admit(ids);
+    if constexpr (kCellLayout)  // pages for the positions that start one, against the free pages
+      if (verdict.code == Errc::ok && step_pages(ids) > cache_.table().free_pages()) verdict = {Errc::out_of_pages};
     const Result<StepPlan> result = cache_.declare_step(ids);
     const Errc got = result.status().code();
     note(got);
@@ -398,7 +433,20 @@ class OpDriver {
     ++stats_.ops[static_cast<std::size_t>(OpKind::seq_clone)];
     const Cache before = cache_;
     std::int32_t want_id = -1;
-    const Errc want = model_.seq_clone(src, upto, want_id);
+    // A fork copies its partial last page: with no free page it is refused (after the other checks).
+    bool no_page = false;
+    if constexpr (kCellLayout)
+      if (model_.is_live(src)) {
+        const std::int32_t u = upto == -1 ? model_.length(src) : upto;
+        no_page = u >= 0 && u <= model_.length(src) && (model_.last_held(src, u) + 1) % kPagePositions != 0 &&
+                  cache_.table().free_pages() == 0;
+      }
+    oracle::Model saved = model_;
+    Errc want = model_.seq_clone(src, upto, want_id);
+    if (want == Errc::ok && no_page) {
+      model_ = std::move(saved);
+      want = Errc::out_of_pages;
+    }
     const Result<std::int32_t> got = cache_.seq_clone(src, upto);
     return verb_outcome(before, want, got.status().code(), got.ok() ? got.value() : -1, want_id);
   }
@@ -424,9 +472,231 @@ class OpDriver {
     desc_ = "rewind(" + std::to_string(id) + ", " + std::to_string(pos) + ")";
     ++stats_.ops[static_cast<std::size_t>(OpKind::rewind)];
     const Cache before = cache_;
+    const std::int32_t bound = model_.is_live(id) ? touched_pages(id, pos, -1, {}) : 0;
+    oracle::Model saved = model_;
     const Errc want = model_.rewind(id, pos);
     const Status got = cache_.rewind(id, pos);
+    return edit_outcome(before, std::move(saved), want, got.code(), bound, /*edit=*/false);
+  }
+
+  // ---- sequence edits ----
+
+  // [p0, p1) arguments: often the whole sequence or a suffix (-1), sometimes empty or reversed.
+  std::pair<std::int32_t, std::int32_t> pick_range(Entropy& e, std::int32_t len) const {
+    const std::int32_t p0 = e.below(5) == 0 ? -1 : e.range(0, len + 1);
+    std::int32_t p1 = -1;
+    const std::uint32_t r = e.below(8);
+    if (r < 3) p1 = -1;
+    else if (r < 7) p1 = e.range(std::max(p0, 0), len + 2);
+    else p1 = e.below(2) == 0 ? std::max(p0, 0) : e.range(0, len + 1);  // empty or maybe reversed
+    return {p0, p1};
+  }
+  [[nodiscard]] std::int32_t len_or_small(std::int32_t id, Entropy& e) const {
+    return model_.is_live(id) ? model_.length(id) : e.range(0, 4);
+  }
+  static std::string args_str(std::initializer_list<std::int32_t> a) {
+    std::string s = "(";
+    bool first = true;
+    for (const std::int32_t x : a) {
+      s += (first ? "" : ", ") + std::to_string(x);
+      first = false;
+    }
+    return s + ")";
+  }
+
+  // Distinct table pages the edit of id's range [p0, p1) touches (held positions and the targets
+  // given), plus one: an upper bound of the pages it may need.
+  [[nodiscard]] std::int32_t touched_pages(std::int32_t id, std::int32_t p0, std::int32_t p1,
+                                           const std::vector<std::int64_t>& targets) const {
+    const auto [lo, hi] = model_.edit_range(id, p0, p1);
+    std::set<std::int64_t> pages;
+    for (const oracle::Entry& en : model_.entries())
+      if (en.owners.count(id) != 0 && en.pos >= lo && en.pos < hi) pages.insert(en.pos / kPagePositions);
+    for (const std::int64_t t : targets)
+      if (t >= 0) pages.insert(t / kPagePositions);
+    return static_cast<std::int32_t>(pages.size()) + 1;
+  }
+
+  bool op_seq_rm_range(Entropy& e) {
+    const std::int32_t id = pick_id(e);
+    const auto [p0, p1] = pick_range(e, len_or_small(id, e));
+    desc_ = "seq_rm" + args_str({id, p0, p1});
+    ++stats_.ops[static_cast<std::size_t>(OpKind::seq_rm_range)];
+    const Cache before = cache_;
+    const std::int32_t bound = model_.is_live(id) ? touched_pages(id, p0, p1, {}) : 0;
+    oracle::Model saved = model_;
+    const Errc want = model_.seq_rm_range(id, p0, p1);
+    const Status got = cache_.seq_rm(id, p0, p1);
+    return edit_outcome(before, std::move(saved), want, got.code(), bound);
+  }
+
+  bool op_seq_cp(Entropy& e) {
+    const std::int32_t src = pick_id(e), dst = e.below(8) == 0 ? src : pick_id(e);
+    const auto [p0, p1] = pick_range(e, len_or_small(src, e));
+    desc_ = "seq_cp" + args_str({src, dst, p0, p1});
+    ++stats_.ops[static_cast<std::size_t>(OpKind::seq_cp)];
+    const Cache before = cache_;
+    std::int32_t bound = 0;
+    if (model_.is_live(src) && model_.is_live(dst)) {
+      const auto [lo, hi] = model_.edit_range(src, p0, p1);
+      std::vector<std::int64_t> targets;
+      for (std::int32_t p = lo; p < hi; ++p) targets.push_back(p);
+      bound = touched_pages(dst, 0, 0, targets);
+    }
+    oracle::Model saved = model_;
+    const Errc want = model_.seq_cp(src, dst, p0, p1);
+    const Status got = cache_.seq_cp(src, dst, p0, p1);
+    return edit_outcome(before, std::move(saved), want, got.code(), bound);
+  }
+
+  bool op_seq_keep(Entropy& e) {
+    const std::int32_t id = pick_id(e);
+    desc_ = "seq_keep(" + std::to_string(id) + ")";
+    ++stats_.ops[static_cast<std::size_t>(OpKind::seq_keep)];
+    const Cache before = cache_;
+    const Errc want = model_.seq_keep(id);
+    const Status got = cache_.seq_keep(id);
     return verb_outcome(before, want, got.code(), 0, 0);
+  }
+
+  // seq_add: deltas that fill the holes just below p0 (a context shift), move a suffix up, or
+  // anything (collisions, drops below 0, int32 extremes). seq_div: divisors 1..4, or < 1.
+  bool op_seq_move(Entropy& e, bool div) {
+    const std::int32_t id = pick_id(e);
+    const std::int32_t len = len_or_small(id, e);
+    auto [p0, p1] = pick_range(e, len);
+    std::int32_t arg = 0;
+    const std::uint32_t r = e.below(6);
+    if (div) {
+      arg = r == 0 ? e.range(-2, 0) : e.range(1, 4);
+    } else if (r < 2 && model_.is_live(id)) {
+      std::int32_t holes = 0;
+      for (std::int32_t p = std::max(p0, 0) - 1; p >= 0 && model_.row_at(id, p) < 0; --p) ++holes;
+      arg = -holes;
+      p1 = -1;
+    } else if (r == 2) {
+      arg = e.range(1, 200);
+      p1 = -1;
+    } else if (r == 3) {
+      const std::array<std::int32_t, 4> extreme{std::numeric_limits<std::int32_t>::min(),
+                                                std::numeric_limits<std::int32_t>::max(), -100000, 100000};
+      arg = extreme[e.below(extreme.size())];
+    } else {
+      arg = e.range(-len - 2, len + 2);
+    }
+    desc_ = std::string(div ? "seq_div" : "seq_add") + args_str({id, p0, p1, arg});
+    ++stats_.ops[static_cast<std::size_t>(div ? OpKind::seq_div : OpKind::seq_add)];
+    const Cache before = cache_;
+    std::vector<oracle::Move> moves;
+    const Errc want = model_.plan_move(id, p0, p1, div ? 0 : arg, arg, div, moves);
+    const Status got = div ? cache_.seq_div(id, p0, p1, arg) : cache_.seq_add(id, p0, p1, arg);
+    std::vector<std::int64_t> targets;
+    for (const oracle::Move& m : moves) targets.push_back(m.to);
+    const std::int32_t bound = model_.is_live(id) ? touched_pages(id, p0, p1, targets) : 0;
+    if (!edit_refusal_ok(want, got.code(), bound)) return false;
+    if (got.code() != Errc::ok) return unchanged(before);
+    placed_ = false;
+    edited_ = true;
+    ++stats_.edits_ok;
+    std::vector<std::int64_t> chosen;  // the cache's fresh cells, in move order
+    if constexpr (kCellLayout)
+      for (const oracle::Move& m : moves)
+        if (m.to >= 0 && m.shared) chosen.push_back(cache_.cell_of(id, static_cast<std::int32_t>(m.to)));
+    if (const std::string why = model_.commit_move(id, moves, chosen); !why.empty())
+      return fail("copy-on-write cells " + list_str(chosen), "valid", why);
+    return true;
+  }
+
+  // restore_positions: a live sequence's held positions (a saved state restored beside it), or a
+  // random list (sometimes unsorted, negative or past the limit).
+  bool op_restore(Entropy& e) {
+    std::vector<std::int32_t> positions;
+    const std::uint32_t r = e.below(10);
+    if (r < 6 && !model_.live().empty()) {
+      const std::int32_t src = pick_id(e);
+      if (model_.is_live(src)) positions = cache_.held_positions(src).value();
+    } else {
+      const std::int32_t n = e.range(0, 6);
+      std::int32_t p = e.range(-1, 3);
+      for (std::int32_t i = 0; i < n; ++i, p += e.range(r == 9 ? 0 : 1, 40)) positions.push_back(p);
+      if (r == 9 && n > 1) std::swap(positions.front(), positions.back());
+    }
+    desc_ = "restore_positions(" + list_str(positions) + ")";
+    ++stats_.ops[static_cast<std::size_t>(OpKind::restore)];
+    const Cache before = cache_;
+    Errc want = model_.restore_verdict(positions);
+    if constexpr (kCellLayout)
+      if (want == Errc::ok) {
+        std::set<std::int32_t> pages;
+        for (const std::int32_t p : positions) pages.insert(p / kPagePositions);
+        if (static_cast<std::int32_t>(pages.size()) > cache_.table().free_pages()) want = Errc::out_of_pages;
+      }
+    const Result<std::int32_t> got = cache_.restore_positions(positions);
+    note(got.status().code());
+    if (got.status().code() != want) return fail("status", errc_name(want), errc_name(got.status().code()));
+    if (!got.ok()) return unchanged(before);
+    placed_ = false;
+    edited_ = true;
+    std::vector<std::int64_t> chosen;
+    for (const std::int32_t p : positions) chosen.push_back(cache_.row_of(got.value(), p));
+    std::int32_t want_id = -1;
+    if (const std::string why = model_.commit_restore(positions, chosen, want_id); !why.empty())
+      return fail("restored rows " + list_str(chosen), "valid", why);
+    if (got.value() != want_id) return fail("restored id", want_id, got.value());
+    return true;
+  }
+
+  bool op_pos_range(Entropy& e) {
+    const std::int32_t id = pick_id(e);
+    desc_ = "seq_pos_min/max(" + std::to_string(id) + ")";
+    ++stats_.ops[static_cast<std::size_t>(OpKind::pos_range)];
+    std::int32_t want_min = 0, want_max = 0;
+    const Errc want = model_.seq_pos_min(id, want_min);
+    (void)model_.seq_pos_max(id, want_max);
+    const Result<std::int32_t> lo = cache_.seq_pos_min(id), hi = cache_.seq_pos_max(id);
+    note(lo.status().code());
+    if (lo.status().code() != want) return fail("seq_pos_min status", errc_name(want), errc_name(lo.status().code()));
+    if (hi.status().code() != want) return fail("seq_pos_max status", errc_name(want), errc_name(hi.status().code()));
+    if (want != Errc::ok) return true;
+    if (lo.value() != want_min) return fail("seq_pos_min", want_min, lo.value());
+    if (hi.value() != want_max) return fail("seq_pos_max", want_max, hi.value());
+    return true;
+  }
+
+  // An edit's status: the oracle's, or out_of_pages where the oracle allows it and the table has
+  // fewer free pages than the edit may need (`bound`, cell layout).
+  bool edit_refusal_ok(Errc want, Errc got, std::int32_t bound) {
+    note(got);
+    if (got == want) return true;
+    if constexpr (kCellLayout)
+      if (want == Errc::ok && got == Errc::out_of_pages) {
+        if (cache_.table().free_pages() < bound) return true;
+        return fail("out_of_pages with " + std::to_string(cache_.table().free_pages()) + " free pages", "< " + std::to_string(bound) + " free pages", "more");
+      }
+    return fail("status", errc_name(want), errc_name(got));
+  }
+  // The model was already changed on its ok; a page refusal puts it back.
+  bool edit_outcome(const Cache& before, oracle::Model saved, Errc want, Errc got, std::int32_t bound,
+                    bool edit = true) {
+    if (!edit_refusal_ok(want, got, bound)) return false;
+    if (got != Errc::ok) {
+      if (want == Errc::ok) model_ = std::move(saved);
+      return unchanged(before);
+    }
+    placed_ = false;
+    edited_ = edited_ || edit;
+    if (edit) ++stats_.edits_ok;
+    return true;
+  }
+
+  // Pages an admitted step adds: one per position that starts a page.
+  [[nodiscard]] std::int64_t step_pages(const std::vector<std::int32_t>& ids) const {
+    std::int64_t n = 0;
+    for (const std::int32_t s : model_.live()) {
+      const auto k = static_cast<std::int32_t>(std::count(ids.begin(), ids.end(), s));
+      n += PositionTable::pages_for(model_.length(s) + k) - PositionTable::pages_for(model_.length(s));
+    }
+    return n;
   }
 
   bool op_query(Entropy& e) {
@@ -448,9 +718,10 @@ class OpDriver {
     cache_.acknowledge_changes();
     model_.acknowledge();
     const PendingChanges p = cache_.pending_changes();
-    if (!p.table.indices.empty() || !p.copies.empty())
+    if (!p.table.indices.empty() || !p.copies.empty() || !p.rotations.empty())
       return fail("pending_changes after acknowledge", "nothing",
-                  std::to_string(p.table.indices.size()) + " table entries, " + std::to_string(p.copies.size()) + " copies");
+                  std::to_string(p.table.indices.size()) + " table entries, " + std::to_string(p.copies.size()) +
+                      " copies, " + std::to_string(p.rotations.size()) + " rotations");
     return true;
   }
 
@@ -472,6 +743,7 @@ class OpDriver {
     cache_.clear();
     model_.clear();
     placed_ = false;
+    edited_ = false;
     if constexpr (!kCellLayout) {
       // docs/design.md is silent on fork copies pending across clear(): every slot is empty afterwards,
       // so dropping them and keeping them are both correct. Anything else is not.
@@ -690,7 +962,13 @@ class OpDriver {
           return fail("cell_of(" + std::to_string(s) + ", " + std::to_string(en.pos) + ")", en.row, cache_.cell_of(s, en.pos));
 
     const PendingChanges p = cache_.pending_changes();
-    if (!p.copies.empty()) return fail("pending_changes().copies (cell layout)", "none", copies_str({p.copies.begin(), p.copies.end()}));
+    const std::vector<RowCopy> copies(p.copies.begin(), p.copies.end());
+    if (copies != model_.copies()) return fail("pending_changes().copies", copies_str(model_.copies()), copies_str(copies));
+    std::vector<RowRotation> rot(p.rotations.begin(), p.rotations.end());
+    std::sort(rot.begin(), rot.end(), [](const RowRotation& a, const RowRotation& b) { return a.cell < b.cell; });
+    if (rot != model_.rotations()) return fail("pending_changes().rotations", rotations_str(model_.rotations()), rotations_str(rot));
+    stats_.cow_copies += static_cast<std::int64_t>(copies.size());
+    stats_.rotations += static_cast<std::int64_t>(rot.size());
     return check_table(p.table);
   }
 
@@ -707,15 +985,44 @@ class OpDriver {
     }
     const std::vector<std::int32_t> device = with_pending_writes();
     const PositionTableView view{device.data(), device.data() + table.directory_entries(), table.dir_stride()};
+    // Every position below every live sequence's length: the oracle's row, or -1 for a hole.
+    std::vector<std::vector<std::int64_t>> rows(static_cast<std::size_t>(max_seqs()));
+    for (const std::int32_t s : model_.live()) rows[static_cast<std::size_t>(s)].assign(static_cast<std::size_t>(model_.length(s)), -1);
     for (const oracle::Entry& en : model_.entries())
-      for (const std::int32_t s : en.owners)
-        if (view.cell(s, en.pos) != en.row)
-          return fail("device table (" + std::to_string(s) + ", " + std::to_string(en.pos) + ")", en.row, view.cell(s, en.pos));
+      for (const std::int32_t s : en.owners) rows[static_cast<std::size_t>(s)][static_cast<std::size_t>(en.pos)] = en.row;
+    bool holes = false;
+    for (const std::int32_t s : model_.live())
+      for (std::int32_t p = 0; p < model_.length(s); ++p) {
+        const std::int64_t want = rows[static_cast<std::size_t>(s)][static_cast<std::size_t>(p)];
+        holes = holes || want < 0;
+        if (view.cell(s, p) != want)
+          return fail("device table (" + std::to_string(s) + ", " + std::to_string(p) + ")", want, view.cell(s, p));
+      }
+    if (holes) ++stats_.holes;
+    // A page of only holes is not kept: every page a sequence's directory names holds a cell.
+    for (const std::int32_t s : model_.live())
+      for (std::int32_t k = 0; k < PositionTable::pages_for(model_.length(s)); ++k) {
+        if (view.page_of(s, k * kPagePositions) < 0) continue;
+        bool held = false;
+        for (std::int32_t p = k * kPagePositions; p < std::min(model_.length(s), (k + 1) * kPagePositions); ++p)
+          held = held || rows[static_cast<std::size_t>(s)][static_cast<std::size_t>(p)] >= 0;
+        if (!held) return fail("page " + std::to_string(k) + " of sequence " + std::to_string(s), "absent (only holes)", "kept");
+      }
+    // Without edits since the last clear, the live pages stay within their bound (position_table.hpp).
     const auto cells_in_use = static_cast<std::int32_t>(model_.entries().size());
     const std::int32_t bound = PositionTable::pages_for(cells_in_use) + 2 * static_cast<std::int32_t>(model_.live().size());
-    if (table.pages_in_use() > bound) return fail("pages in use", "<= " + std::to_string(bound), table.pages_in_use());
+    if (!edited_ && table.pages_in_use() > bound) return fail("pages in use", "<= " + std::to_string(bound), table.pages_in_use());
+    if (table.pages_in_use() + table.free_pages() != table.page_capacity())
+      return fail("pages in use + free", table.page_capacity(), table.pages_in_use() + table.free_pages());
     stats_.max_pages = std::max(stats_.max_pages, table.pages_in_use());
     return true;
+  }
+
+  static std::string rotations_str(const std::vector<RowRotation>& rot) {
+    std::string s = "[";
+    for (const RowRotation& r : rot)
+      s += "{" + std::to_string(r.cell) + ": " + std::to_string(r.old_pos) + "->" + std::to_string(r.new_pos) + "}";
+    return s + "]";
   }
 
   static std::string copies_str(const std::vector<RowCopy>& copies) {
@@ -778,6 +1085,7 @@ class OpDriver {
   std::int64_t step_read_len_ = 0;
 
   std::vector<std::int32_t> device_table_;  // cell layout: the table as acknowledged uploads left it
+  bool edited_ = false;                     // a range edit succeeded since the last clear
 };
 
 }  // namespace cellkv::test

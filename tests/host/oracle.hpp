@@ -17,6 +17,15 @@
 // cell of the last kept position). Under any other placement (clustered<B>) the oracle only
 // verifies the cells the cache chose: in range, free before the step, distinct within it;
 // capacity is never lost because admission depends on the free count alone.
+//
+// Sequence edits (docs/design.md section 4, "Sequence edits"): a sequence's length is one past its
+// highest held position; positions below it that it does not hold are holes. Each row records the
+// position its K was computed at (`enc`); a row with enc != pos needs re-rotation. seq_add /
+// seq_div copy a row shared with another sequence to a fresh row (in ascending position order,
+// after the dropped rows are let go), which the placement picks as a step's token would; every
+// successful edit then leaves the after_last placement at the cell of the sequence's last
+// position. The oracle does not model the cell layout's position-table pages: the driver checks
+// out_of_pages refusals against the table's free pages (op_driver.hpp).
 #pragma once
 
 #include <algorithm>
@@ -52,6 +61,15 @@ struct Entry {
   std::int64_t row = 0;
   std::int32_t pos = 0;
   std::set<std::int32_t> owners;  // never empty: a row without owners is not in the list
+  std::int32_t enc = 0;           // the position the row's K encodes (after pending copies)
+};
+
+// One held position of a sequence that seq_add / seq_div moves.
+struct Move {
+  std::int32_t from = 0;
+  std::int64_t row = 0;
+  std::int64_t to = 0;  // < 0: dropped
+  bool shared = false;  // another sequence owns the row too: copied on write
 };
 
 // What a refused declare_step must return. docs/design.md lists "a sequence id is out of range or not
@@ -140,6 +158,10 @@ class Model {
     if (dead) return {Errc::sequence_not_live};
     if (cell_layout()) {
       if (free_cells() < static_cast<std::int64_t>(ids.size())) return {Errc::out_of_cells};
+      for (const std::int32_t s : live_) {
+        const auto n = std::count(ids.begin(), ids.end(), s);
+        if (length(s) + n > position_limit()) return {Errc::sequence_full};
+      }
     } else {
       for (const std::int32_t s : live_) {
         const auto n = std::count(ids.begin(), ids.end(), s);
@@ -223,7 +245,7 @@ class Model {
   // Applies an admitted step placed at `rows` (checked with check_rows).
   void commit_step(std::span<const std::int32_t> ids, std::span<const std::int64_t> rows) {
     const auto pos = positions(ids);
-    for (std::size_t t = 0; t < ids.size(); ++t) entries_.push_back(Entry{rows[t], pos[t], {ids[t]}});
+    for (std::size_t t = 0; t < ids.size(); ++t) entries_.push_back(Entry{rows[t], pos[t], {ids[t]}, pos[t]});
     for (const std::int32_t s : ids) set_length(s, length(s) + 1);
     for (std::size_t t = 0; t < ids.size(); ++t) set_last(last_, ids[t], rows[t]);
   }
@@ -248,14 +270,14 @@ class Model {
     id = lowest_free_id();
     if (id < 0) return Errc::no_free_sequence;
     live_.insert(id);
-    set_length(id, upto);
+    set_length(id, last_held(src, upto) + 1);  // a trailing hole is not forked
     set_last(last_, id, -1);  // a fork starts with no last cell of its own
     if (cell_layout()) {
       for (Entry& e : entries_)
         if (e.owners.count(src) != 0 && e.pos < upto) e.owners.insert(id);
     } else {
       for (std::int32_t p = 0; p < upto; ++p)
-        entries_.push_back(Entry{std::int64_t{id} * c_.max_len + p, p, {id}});
+        entries_.push_back(Entry{std::int64_t{id} * c_.max_len + p, p, {id}, p});
       if (upto > 0)
         copies_.push_back(RowCopy{std::int64_t{src} * c_.max_len, std::int64_t{id} * c_.max_len, upto});
     }
@@ -274,12 +296,201 @@ class Model {
     if (const Errc e = check_id(id); e != Errc::ok) return e;
     if (pos < 0 || pos > length(id)) return Errc::bad_position;
     drop_positions(id, pos);
-    set_length(id, pos);
-    std::int64_t kept = -1;  // the cell of the last kept position
-    for (const Entry& e : entries_)
-      if (e.owners.count(id) != 0 && e.pos == pos - 1) kept = e.row;
-    set_last(last_, id, kept);
+    settle(id);
     return Errc::ok;
+  }
+
+  // ---- sequence edits ----
+
+  // Positions a sequence can reach: the cell layout's table spans 64 * ceil(max_cells / 64).
+  [[nodiscard]] std::int32_t position_limit() const { return (c_.max_cells + 63) / 64 * 64; }
+  // Row sequence id holds at pos, -1 when none.
+  [[nodiscard]] std::int64_t row_at(std::int32_t id, std::int64_t pos) const {
+    for (const Entry& e : entries_)
+      if (e.pos == pos && e.owners.count(id) != 0) return e.row;
+    return -1;
+  }
+  // Highest position id holds below `below`, -1 when none.
+  [[nodiscard]] std::int32_t last_held(std::int32_t id, std::int32_t below = 2147483647) const {
+    std::int32_t best = -1;
+    for (const Entry& e : entries_)
+      if (e.owners.count(id) != 0 && e.pos < below) best = std::max(best, e.pos);
+    return best;
+  }
+  [[nodiscard]] std::int32_t first_held(std::int32_t id) const {
+    std::int32_t best = -1;
+    for (const Entry& e : entries_)
+      if (e.owners.count(id) != 0 && (best < 0 || e.pos < best)) best = e.pos;
+    return best;
+  }
+  // [p0, p1) as the verbs read it (p0 < 0: 0, p1 < 0: no end), within [0, length(id)).
+  [[nodiscard]] std::pair<std::int32_t, std::int32_t> edit_range(std::int32_t id, std::int32_t p0, std::int32_t p1) const {
+    const std::int64_t hi = std::min<std::int64_t>(p1 < 0 ? std::int64_t{1} << 40 : p1, length(id));
+    const std::int64_t lo = std::min<std::int64_t>(std::max(p0, 0), hi);
+    return {static_cast<std::int32_t>(lo), static_cast<std::int32_t>(hi)};
+  }
+
+  Errc seq_pos_min(std::int32_t id, std::int32_t& out) const {
+    if (const Errc e = check_id(id); e != Errc::ok) return e;
+    out = first_held(id);
+    return Errc::ok;
+  }
+  Errc seq_pos_max(std::int32_t id, std::int32_t& out) const {
+    if (const Errc e = check_id(id); e != Errc::ok) return e;
+    out = last_held(id);
+    return Errc::ok;
+  }
+
+  // seq_rm(id, p0, p1). The sequence layout serves an empty range or one reaching the end.
+  Errc seq_rm_range(std::int32_t id, std::int32_t p0, std::int32_t p1) {
+    if (const Errc e = check_id(id); e != Errc::ok) return e;
+    const auto [lo, hi] = edit_range(id, p0, p1);
+    if (!cell_layout() && lo < hi && hi < length(id)) return Errc::unsupported_by_layout;
+    for (Entry& e : entries_)
+      if (e.pos >= lo && e.pos < hi) e.owners.erase(id);
+    erase_unowned();
+    settle(id);
+    return Errc::ok;
+  }
+
+  Errc seq_cp(std::int32_t src, std::int32_t dst, std::int32_t p0, std::int32_t p1) {
+    if (const Errc e = check_id(src); e != Errc::ok) return e;
+    if (const Errc e = check_id(dst); e != Errc::ok) return e;
+    if (!cell_layout()) return Errc::unsupported_by_layout;
+    const auto [lo, hi] = edit_range(src, p0, p1);
+    for (const Entry& e : entries_)
+      if (e.owners.count(src) != 0 && e.pos >= lo && e.pos < hi) {
+        const std::int64_t have = row_at(dst, e.pos);
+        if (have >= 0 && have != e.row) return Errc::position_collision;
+      }
+    for (Entry& e : entries_)
+      if (e.owners.count(src) != 0 && e.pos >= lo && e.pos < hi) e.owners.insert(dst);
+    settle(dst);
+    return Errc::ok;
+  }
+
+  Errc seq_keep(std::int32_t id) {
+    if (const Errc e = check_id(id); e != Errc::ok) return e;
+    const std::set<std::int32_t> others = live_;
+    for (const std::int32_t s : others)
+      if (s != id) (void)seq_rm(s);
+    return Errc::ok;
+  }
+
+  // seq_add (divisor 0) or seq_div (divisor >= 1; delta ignored): the verdict, and the moves in
+  // ascending position order when ok. Changes nothing; commit_move applies.
+  Errc plan_move(std::int32_t id, std::int32_t p0, std::int32_t p1, std::int32_t delta, std::int32_t divisor,
+                 bool div, std::vector<Move>& moves) const {
+    moves.clear();
+    if (const Errc e = check_id(id); e != Errc::ok) return e;
+    if (div && divisor < 1) return Errc::bad_argument;
+    if (!cell_layout()) return Errc::unsupported_by_layout;
+    const auto [lo, hi] = edit_range(id, p0, p1);
+    for (const Entry& e : entries_)
+      if (e.owners.count(id) != 0 && e.pos >= lo && e.pos < hi)
+        moves.push_back(Move{e.pos, e.row, div ? std::int64_t{e.pos} / divisor : std::int64_t{e.pos} + delta,
+                             e.owners.size() > 1});
+    std::sort(moves.begin(), moves.end(), [](const Move& a, const Move& b) { return a.from < b.from; });
+    for (const Move& m : moves)
+      if (m.to >= position_limit()) return Errc::sequence_full;
+    for (const Move& m : moves) {
+      if (m.to < 0) continue;
+      for (const Move& n : moves)
+        if (&n != &m && n.to == m.to) return Errc::position_collision;
+      if ((m.to < lo || m.to >= hi) && row_at(id, m.to) >= 0) return Errc::position_collision;
+    }
+    std::int64_t fresh = 0, freed = 0;
+    for (const Move& m : moves) {
+      if (m.to >= 0 && m.shared) ++fresh;
+      if (m.to < 0 && !m.shared) ++freed;
+    }
+    if (fresh > free_cells() + freed) return Errc::out_of_cells;
+    return Errc::ok;
+  }
+
+  // Applies planned moves. The fresh rows of shared moves (in order) are predicted for
+  // lowest_free / after_last, else taken from `chosen` and verified (free, distinct). "" when
+  // fine, else why not.
+  std::string commit_move(std::int32_t id, const std::vector<Move>& moves, const std::vector<std::int64_t>& chosen) {
+    std::int64_t last = last_row(last_, id);  // after_last: moves with each pick
+    std::size_t k = 0;
+    for (const Move& m : moves) {
+      const auto i = index_of(m.row);
+      if (m.to < 0) {
+        entries_[i].owners.erase(id);
+        erase_unowned();
+        continue;
+      }
+      if (!m.shared) {
+        entries_[i].pos = static_cast<std::int32_t>(m.to);
+        continue;
+      }
+      std::int64_t fresh = -1;
+      if (c_.kind == Kind::cell_any_free) {
+        if (k >= chosen.size()) return "fewer fresh rows than shared moves";
+        fresh = chosen[k++];
+        if (fresh < 0 || fresh >= capacity() || find_row(fresh) != nullptr)
+          return "fresh row " + std::to_string(fresh) + " was not free";
+      } else {
+        fresh = lowest_free_row(c_.kind == Kind::cell_after_last ? last + 1 : 0);
+        if (fresh < 0) fresh = lowest_free_row(0);
+        last = fresh;
+      }
+      entries_[i].owners.erase(id);
+      const std::int32_t enc = entries_[i].enc;
+      entries_.push_back(Entry{fresh, static_cast<std::int32_t>(m.to), {id}, enc});
+      copies_.push_back(RowCopy{m.row, fresh, 1});
+    }
+    settle(id);
+    return {};
+  }
+
+  // restore_positions: the verdict (pages aside) for a new sequence holding `positions`.
+  [[nodiscard]] Errc restore_verdict(const std::vector<std::int32_t>& positions) const {
+    for (std::size_t i = 0; i < positions.size(); ++i)
+      if (positions[i] < 0 || (i > 0 && positions[i] <= positions[i - 1])) return Errc::bad_argument;
+    const std::int32_t limit = cell_layout() ? position_limit() : c_.max_len;
+    if (!positions.empty() && positions.back() >= limit) return Errc::sequence_full;
+    if (!cell_layout() && !positions.empty() && positions.back() + 1 != static_cast<std::int32_t>(positions.size()))
+      return Errc::unsupported_by_layout;
+    if (lowest_free_id() < 0) return Errc::no_free_sequence;
+    if (cell_layout() && static_cast<std::int64_t>(positions.size()) > free_cells()) return Errc::out_of_cells;
+    return Errc::ok;
+  }
+  // Applies an admitted restore: the lowest free id, a fresh row per position in order (predicted
+  // as a step's tokens are, or taken from `chosen` and verified for cell_any_free). "" when fine.
+  std::string commit_restore(const std::vector<std::int32_t>& positions, const std::vector<std::int64_t>& chosen,
+                             std::int32_t& id) {
+    id = lowest_free_id();
+    live_.insert(id);
+    std::int64_t last = -1;
+    for (std::size_t i = 0; i < positions.size(); ++i) {
+      const std::int32_t p = positions[i];
+      std::int64_t row = -1;
+      if (!cell_layout()) {
+        row = std::int64_t{id} * c_.max_len + p;
+      } else if (c_.kind == Kind::cell_any_free) {
+        if (i >= chosen.size()) return "fewer rows than positions";
+        row = chosen[i];
+        if (row < 0 || row >= capacity() || find_row(row) != nullptr) return "row " + std::to_string(row) + " was not free";
+      } else {
+        row = lowest_free_row(c_.kind == Kind::cell_after_last ? last + 1 : 0);
+        if (row < 0) row = lowest_free_row(0);
+        last = row;
+      }
+      entries_.push_back(Entry{row, p, {id}, p});
+    }
+    settle(id);
+    return {};
+  }
+
+  // Rows whose K must be re-rotated: (row, enc, pos) with enc != pos, by row.
+  [[nodiscard]] std::vector<RowRotation> rotations() const {
+    std::vector<RowRotation> out;
+    for (const Entry& e : entries_)
+      if (e.enc != e.pos) out.push_back(RowRotation{static_cast<std::int32_t>(e.row), e.enc, e.pos});
+    std::sort(out.begin(), out.end(), [](const RowRotation& a, const RowRotation& b) { return a.cell < b.cell; });
+    return out;
   }
 
   void clear() {
@@ -290,7 +501,11 @@ class Model {
     last_.clear();
   }
 
-  void acknowledge() { copies_.clear(); }
+  // The device ran the copies and the rotations.
+  void acknowledge() {
+    copies_.clear();
+    for (Entry& e : entries_) e.enc = e.pos;
+  }
   // Adopts the cache's pending copies (used where the contract leaves them open, e.g. after clear).
   void set_copies(std::vector<RowCopy> copies) { copies_ = std::move(copies); }
 
@@ -329,8 +544,29 @@ class Model {
   void drop_positions(std::int32_t id, std::int32_t keep) {
     for (Entry& e : entries_)
       if (e.pos >= keep) e.owners.erase(id);
+    erase_unowned();
+  }
+  void erase_unowned() {
     entries_.erase(std::remove_if(entries_.begin(), entries_.end(), [](const Entry& e) { return e.owners.empty(); }),
                    entries_.end());
+  }
+  // After an edit of id: its length is one past its highest position, and after_last restarts
+  // from the row of that position.
+  void settle(std::int32_t id) {
+    const std::int32_t last = last_held(id);
+    set_length(id, last + 1);
+    set_last(last_, id, last < 0 ? -1 : row_at(id, last));
+  }
+  [[nodiscard]] std::size_t index_of(std::int64_t row) const {
+    for (std::size_t i = 0; i < entries_.size(); ++i)
+      if (entries_[i].row == row) return i;
+    return entries_.size();
+  }
+  // Lowest free row >= from, -1 when none.
+  [[nodiscard]] std::int64_t lowest_free_row(std::int64_t from) const {
+    for (std::int64_t r = std::max<std::int64_t>(from, 0); r < capacity(); ++r)
+      if (find_row(r) == nullptr) return r;
+    return -1;
   }
 
   Config c_;

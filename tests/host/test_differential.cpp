@@ -95,6 +95,24 @@ void check_common_coverage(const DriverStats& s) {
   CHECK(s.ops[static_cast<std::size_t>(test::OpKind::clear)] > 0);
 }
 
+// The sequence edits ran, succeeded and were refused for every reason their layout has.
+void check_edit_coverage(const DriverStats& s, bool cell_layout) {
+  using test::OpKind;
+  for (const OpKind k : {OpKind::seq_rm_range, OpKind::seq_cp, OpKind::seq_keep, OpKind::seq_add, OpKind::seq_div,
+                         OpKind::pos_range, OpKind::restore})
+    CHECK(s.op(k) > 0);
+  CHECK(s.edits_ok > 0);
+  CHECK(s.count(Errc::bad_argument) > 0);  // seq_div by d < 1
+  if (cell_layout) {
+    CHECK(s.count(Errc::position_collision) > 0);
+    CHECK(s.holes > 0);       // states with holes were checked, the device table included
+    CHECK(s.cow_copies > 0);  // shifts of shared cells copied them
+    CHECK(s.rotations > 0);   // and listed re-rotations
+  } else {
+    CHECK(s.count(Errc::unsupported_by_layout) > 0);
+  }
+}
+
 constexpr int kRuns = 12;
 constexpr std::int64_t kOps = 3000;  // per run: 12 x 3000 = 36k per layout configuration
 
@@ -108,6 +126,7 @@ TEST_CASE("differential: cell layout, lowest_free placement") {
   MESSAGE("cell/lowest_free: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens, ", s.mask_rows_checked,
           " mask rows");
   check_common_coverage(s);
+  check_edit_coverage(s, true);
   CHECK(s.count(Errc::out_of_cells) > 0);
   CHECK(s.max_owners >= 2);  // forks shared cells
 }
@@ -118,6 +137,7 @@ TEST_CASE("differential: cell layout, clustered<4> placement") {
   s.add(differential<CellCache<Windows<5, 0, 2>, placement::clustered<4>, 64>>(12, kRuns, kOps));
   MESSAGE("cell/clustered<4>: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens");
   check_common_coverage(s);
+  check_edit_coverage(s, true);
   CHECK(s.count(Errc::out_of_cells) > 0);
   CHECK(s.max_owners >= 2);
 }
@@ -128,6 +148,7 @@ TEST_CASE("differential: cell layout, clustered<8> placement") {
   s.add(differential<CellCache<Windows<5, 0, 2>, placement::clustered<8>, 8>>(22, kRuns, kOps));
   MESSAGE("cell/clustered<8>: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens");
   check_common_coverage(s);
+  check_edit_coverage(s, true);
   CHECK(s.count(Errc::out_of_cells) > 0);
   CHECK(s.max_owners >= 2);
 }
@@ -141,6 +162,7 @@ TEST_CASE("differential: cell layout, test::after_last placement") {
   s.add(differential<CellCache<Windows<5, 0, 2>, test::after_last, 256>>(73, kRuns, kOps));
   MESSAGE("cell/after_last: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens");
   check_common_coverage(s);
+  check_edit_coverage(s, true);
   CHECK(s.count(Errc::out_of_cells) > 0);
   CHECK(s.max_owners >= 2);
 }
@@ -152,6 +174,7 @@ TEST_CASE("differential: sequence layout") {
   s.add(differential<SequenceCache<Windows<0>, 256>>(33, kRuns, kOps));
   MESSAGE("sequence: ", s.total_ops(), " operations, ", s.tokens_placed, " tokens");
   check_common_coverage(s);
+  check_edit_coverage(s, false);
   CHECK(s.count(Errc::sequence_full) > 0);
 }
 
@@ -225,5 +248,26 @@ TEST_CASE("differential: tiny pools") {
       53, 6, 1500, {.write_lo = 1, .write_hi = 4, .len_lo = 1, .len_hi = 3}));
   MESSAGE("tiny pools: ", s.total_ops(), " operations");
   CHECK(s.count(Errc::out_of_cells) > 0);
+  CHECK(s.count(Errc::sequence_full) > 0);
+}
+
+// Edits over several table pages, in tables kept small (few cells per sequence slot of the
+// directory): holes spread sequences over more pages than the no-hole bound counts, so steps,
+// forks and edits meet out_of_pages, and shifts past the table's span meet sequence_full.
+TEST_CASE("differential: sequence edits over several pages, pages running out") {
+  constexpr test::OpMix kEdits{.declare_step = 400, .seq_new = 30, .seq_clone = 80, .seq_rm = 20, .rewind = 40,
+                               .query = 10, .acknowledge = 80, .copy = 3, .clear = 2, .seq_rm_range = 120,
+                               .seq_cp = 80, .seq_keep = 2, .seq_add = 150, .seq_div = 40, .pos_range = 10};
+  constexpr Sizes kPages{.write_lo = 8, .write_hi = 64, .cells_lo = 400, .cells_hi = 900, .seqs_lo = 2, .seqs_hi = 3};
+  DriverStats s;
+  s.add(differential<CellCache<Windows<0, 70>, placement::lowest_free, 8>>(81, 6, 3000, kPages, kEdits));
+  s.add(differential<CellCache<Windows<0>, placement::clustered<64>, 8>>(82, 6, 3000, kPages, kEdits));
+  s.add(differential<CellCache<Windows<0, 70>, test::after_last, 8>>(83, 6, 3000, kPages, kEdits));
+  MESSAGE("edits over pages: ", s.total_ops(), " operations, ", s.edits_ok, " edits applied, ", s.cow_copies,
+          " copies and ", s.rotations, " rotations seen pending, up to ", s.max_pages, " pages, ",
+          s.count(Errc::out_of_pages), " out_of_pages");
+  check_edit_coverage(s, true);
+  CHECK(s.max_seq_len > 2 * kPagePositions);
+  CHECK(s.count(Errc::out_of_pages) > 0);
   CHECK(s.count(Errc::sequence_full) > 0);
 }

@@ -6,7 +6,9 @@
 //   Status  room_for_step(span<const int32_t> seqs, span<const int32_t> count_per_seq)
 //   int64_t claim_row(int32_t seq, int32_t pos)            // a fresh row for (seq, pos)
 //   void    truncate_rows(int32_t seq, int32_t keep)       // release positions >= keep of seq
-//   void    share_prefix(int32_t src, int32_t dst, int32_t upto)  // dst gets src's positions < upto
+//   Status  room_for_clone(int32_t src, int32_t upto)      // resources a fork needs, else why not
+//   int32_t share_prefix(int32_t src, int32_t dst, int32_t upto)  // dst gets src's positions < upto;
+//                                                          // returns dst's length
 //   void    on_seq_created(int32_t seq)                    // a fresh id, before share_prefix
 //   int64_t occupied_end()                                 // 1 + highest occupied row, 0 if none
 //   void    clear_rows()                                   // release everything
@@ -14,16 +16,30 @@
 //   int32_t row_pos(int64_t row), bool row_owned_by(int64_t row, int32_t seq)
 //   static Status validate_rows(const CacheConfig&)      // the layout's sizes (max_seqs filled in)
 //   static size_t layout_host_bytes(const CacheConfig&)  // the layout's host bytes, once valid
+//   int32_t first_position(int32_t seq)                    // lowest held position, -1 when none
+//   Result<int32_t> remove_positions(int32_t seq, int32_t lo, int32_t hi)
+//   Result<int32_t> copy_positions(int32_t src, int32_t dst, int32_t lo, int32_t hi)
+//   Result<int32_t> move_positions(int32_t seq, int32_t lo, int32_t hi, F to)  // to(int64 p) -> int64
+//                    the edits of docs/design.md section 4 ("Sequence edits") on positions [lo, hi)
+//                    (0 <= lo, hi <= pos(seq); src's for a copy), returning the edited sequence's new
+//                    length, or the refusal, having changed nothing
+//   Status  room_for_restore(span<const int32_t> positions) // resources for a restored sequence
+//   void    restore_rows(int32_t seq, span<const int32_t> positions)  // fresh rows for them
+//   int64_t row_at(int32_t seq, int32_t pos)              // row of a held position, -1 for a hole
+//   void    for_each_held(int32_t seq, F f)               // f(pos, row) for held positions, ascending
 //
-// Invariant: sequence s holds exactly the positions [0, pos(s)).
+// Invariant: sequence s holds positions in [0, pos(s)), position pos(s) - 1 among them; the
+// positions below it it does not hold are holes (only a range edit makes them).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
 
 #include "cellkv/seq_set.hpp"
 #include "cellkv/status.hpp"
@@ -101,17 +117,19 @@ class CacheCommon {
     return id;
   }
 
-  // A new sequence sharing src's positions < upto (all of them when upto is omitted).
+  // A new sequence sharing src's positions < upto (all of them when upto is omitted); its length
+  // ends at src's highest held position below upto. The cell layout may refuse out_of_pages (a
+  // copied partial page) after the id checks.
   Result<std::int32_t> seq_clone(std::int32_t src, std::int32_t upto = -1) {
     if (const Status s = check_live(src); !s.ok()) return s.code();
     if (upto == -1) upto = len_[src];
     if (upto < 0 || upto > len_[src]) return Errc::bad_position;
     const std::int32_t id = live_.first_absent(config_.max_seqs);
     if (id < 0) return Errc::no_free_sequence;
+    if (const Status s = self().room_for_clone(src, upto); !s.ok()) return s.code();
     live_.set(id);
-    len_[id] = upto;
     self().on_seq_created(id);
-    self().share_prefix(src, id, upto);
+    len_[id] = self().share_prefix(src, id, upto);
     placed_ = false;
     return id;
   }
@@ -126,14 +144,112 @@ class CacheCommon {
     return {};
   }
 
-  // Keeps positions < pos of the sequence; 0 <= pos <= pos(id).
+  // Keeps positions < pos of the sequence; 0 <= pos <= pos(id). The same as seq_rm(id, pos, -1),
+  // save that pos is checked.
   Status rewind(std::int32_t id, std::int32_t pos) {
     if (const Status s = check_live(id); !s.ok()) return s;
     if (pos < 0 || pos > len_[id]) return Errc::bad_position;
-    self().truncate_rows(id, pos);
-    len_[id] = pos;
+    return finish_edit(id, self().remove_positions(id, pos, len_[id]));
+  }
+
+  // ---- sequence edits (docs/design.md section 4, "Sequence edits") ----
+  //
+  // Ranges are [p0, p1): p0 < 0 means 0, p1 < 0 means no end; an empty range is a successful
+  // no-op. Refusals, in this order: the ids (bad_sequence_id, sequence_not_live), the arguments
+  // (bad_argument), the layout (unsupported_by_layout), the result (sequence_full: a position
+  // past the layout's limit; position_collision), then resources (out_of_cells, out_of_pages).
+
+  // Removes the positions [p0, p1) the sequence holds; holes stay, pos(id) becomes one past the
+  // highest position left. The sequence layout removes only a suffix (p1 past the last position).
+  Status seq_rm(std::int32_t id, std::int32_t p0, std::int32_t p1) {
+    if (const Status s = check_live(id); !s.ok()) return s;
+    const auto [lo, hi] = own_range(id, p0, p1);
+    return finish_edit(id, self().remove_positions(id, lo, hi));
+  }
+
+  // dst also holds src's cells at their positions in [p0, p1) (zero copy); refused when dst holds
+  // another cell at one of them (position_collision). src == dst is a no-op. Cell layout only.
+  Status seq_cp(std::int32_t src, std::int32_t dst, std::int32_t p0, std::int32_t p1) {
+    if (const Status s = check_live(src); !s.ok()) return s;
+    if (const Status s = check_live(dst); !s.ok()) return s;
+    const auto [lo, hi] = own_range(src, p0, p1);
+    return finish_edit(dst, self().copy_positions(src, dst, lo, hi));
+  }
+
+  // Removes every live sequence but id.
+  Status seq_keep(std::int32_t id) {
+    if (const Status s = check_live(id); !s.ok()) return s;
+    const Owners others = live_;
+    others.for_each([&](std::int32_t s) {
+      if (s != id) (void)seq_rm(s);
+    });
     placed_ = false;
     return {};
+  }
+
+  // Positions p in [p0, p1) become p + delta; a cell moved below 0 leaves the sequence. A cell the
+  // sequence shares is copied for it (copy on write), so no other sequence changes. Cell layout.
+  Status seq_add(std::int32_t id, std::int32_t p0, std::int32_t p1, std::int32_t delta) {
+    if (const Status s = check_live(id); !s.ok()) return s;
+    const auto [lo, hi] = own_range(id, p0, p1);
+    const std::int64_t d = delta;
+    return finish_edit(id, self().move_positions(id, lo, hi, [d](std::int64_t p) { return p + d; }));
+  }
+
+  // Positions p in [p0, p1) become p / d (d >= 1, else bad_argument); refused when two cells would
+  // meet at one position (position_collision). Copy on write as seq_add. Cell layout.
+  Status seq_div(std::int32_t id, std::int32_t p0, std::int32_t p1, std::int32_t d) {
+    if (const Status s = check_live(id); !s.ok()) return s;
+    if (d < 1) return Errc::bad_argument;
+    const auto [lo, hi] = own_range(id, p0, p1);
+    const std::int64_t dd = d;
+    return finish_edit(id, self().move_positions(id, lo, hi, [dd](std::int64_t p) { return p / dd; }));
+  }
+
+  // Lowest and highest position the sequence holds; -1 for both when it holds none (a new
+  // sequence, or one whose positions were all removed). seq_pos_max(id) == pos(id) - 1.
+  [[nodiscard]] Result<std::int32_t> seq_pos_min(std::int32_t id) const {
+    if (const Status s = check_live(id); !s.ok()) return s.code();
+    return self().first_position(id);
+  }
+  [[nodiscard]] Result<std::int32_t> seq_pos_max(std::int32_t id) const {
+    if (const Status s = check_live(id); !s.ok()) return s.code();
+    return len_[id] - 1;
+  }
+
+  // ---- saved state (sequence_state.hpp holds the byte format) ----
+
+  // The positions the sequence holds, ascending, and the row of each (where its K and V live).
+  [[nodiscard]] Result<std::vector<std::int32_t>> held_positions(std::int32_t id) const {
+    if (const Status s = check_live(id); !s.ok()) return s.code();
+    std::vector<std::int32_t> out;
+    self().for_each_held(id, [&](std::int32_t p, std::int64_t) { out.push_back(p); });
+    return out;
+  }
+  // Row of position pos of a live sequence, -1 for a hole; precondition 0 <= pos < pos(id).
+  [[nodiscard]] std::int64_t row_of(std::int32_t id, std::int32_t pos) const { return self().row_at(id, pos); }
+
+  // A new sequence (lowest free id) holding exactly `positions` (strictly ascending, >= 0), each
+  // in a fresh row (the placement's pick, in order); the caller then fills the rows (row_of).
+  // Refusals: bad_argument (positions not strictly ascending from >= 0), sequence_full (past the
+  // layout's position limit), unsupported_by_layout (the sequence layout and a hole),
+  // no_free_sequence, then out_of_cells / out_of_pages.
+  Result<std::int32_t> restore_positions(std::span<const std::int32_t> positions) {
+    for (std::size_t i = 0; i < positions.size(); ++i)
+      if (positions[i] < 0 || (i > 0 && positions[i] <= positions[i - 1])) return Errc::bad_argument;
+    if (!positions.empty() && positions.back() >= self().position_limit()) return Errc::sequence_full;
+    if (!Derived::kHoles && !positions.empty() && positions.back() + 1 != static_cast<std::int32_t>(positions.size()))
+      return Errc::unsupported_by_layout;
+    const std::int32_t id = live_.first_absent(config_.max_seqs);
+    if (id < 0) return Errc::no_free_sequence;
+    if (const Status s = self().room_for_restore(positions); !s.ok()) return s.code();
+    live_.set(id);
+    len_[id] = 0;
+    self().on_seq_created(id);
+    self().restore_rows(id, positions);
+    len_[id] = positions.empty() ? 0 : positions.back() + 1;
+    placed_ = false;
+    return id;
   }
 
   // Drops every sequence and releases every row.
@@ -245,6 +361,22 @@ class CacheCommon {
     return c;
   }
   [[nodiscard]] bool in_range(std::int32_t id) const noexcept { return id >= 0 && id < config_.max_seqs; }
+
+  // [p0, p1) with p0 < 0 read as 0 and p1 < 0 as no end, clipped to the sequence's [0, pos(id)).
+  struct Span {
+    std::int32_t lo, hi;
+  };
+  [[nodiscard]] Span own_range(std::int32_t id, std::int32_t p0, std::int32_t p1) const noexcept {
+    const std::int32_t hi = std::min(p1 < 0 ? std::numeric_limits<std::int32_t>::max() : p1, len_[id]);
+    return {std::min(std::max(p0, 0), hi), hi};
+  }
+  // A layout edit's outcome: on success the sequence's new length, and the step is invalidated.
+  Status finish_edit(std::int32_t id, Result<std::int32_t> len) {
+    if (!len.ok()) return len.status();
+    len_[id] = len.value();
+    placed_ = false;
+    return {};
+  }
   [[nodiscard]] Status check_live(std::int32_t id) const noexcept {
     if (!in_range(id)) return Errc::bad_sequence_id;
     return live_.test(id) ? Status{} : Status{Errc::sequence_not_live};

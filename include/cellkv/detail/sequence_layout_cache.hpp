@@ -3,6 +3,11 @@
 // Sequence s owns slot s: rows [s * max_len, (s + 1) * max_len); position p lives at row
 // s * max_len + p. No per-row metadata is needed: a row is occupied iff its position is below its
 // sequence's length. A fork reports the prefix rows to copy (pending_changes().copies).
+//
+// Edits (docs/design.md section 4, "Sequence edits"): a row's position is its offset in the slot,
+// so a sequence cannot hold holes, share rows or move rows without copying them in place. seq_rm
+// of a range is served when the range reaches the last position (a rewind) or is empty; seq_cp,
+// seq_add and seq_div are refused (Errc::unsupported_by_layout) whatever their range.
 #pragma once
 
 #include <algorithm>
@@ -31,6 +36,8 @@ class KVCache<layout::sequence, W, P, MaxSeqs>
   explicit KVCache(const CacheConfig& config) : Base(config) {}
 
   [[nodiscard]] std::int32_t max_len() const noexcept { return this->config().max_len; }
+  // Positions a sequence can reach: [0, max_len).
+  [[nodiscard]] std::int32_t position_limit() const noexcept { return max_len(); }
   [[nodiscard]] std::int64_t capacity() const noexcept {
     return static_cast<std::int64_t>(this->config().max_seqs) * max_len();
   }
@@ -51,7 +58,7 @@ class KVCache<layout::sequence, W, P, MaxSeqs>
   }
 
   // Fork copies since the last acknowledge_changes(), in the order to run them.
-  [[nodiscard]] PendingChanges pending_changes() const noexcept { return {copies_, {}}; }
+  [[nodiscard]] PendingChanges pending_changes() const noexcept { return {copies_, {}, {}}; }
   void acknowledge_changes() noexcept { copies_.clear(); }
 
   friend bool operator==(const KVCache&, const KVCache&) = default;
@@ -89,11 +96,46 @@ class KVCache<layout::sequence, W, P, MaxSeqs>
     if (keep == 0) nonempty_.reset(seq);
   }
 
-  void share_prefix(std::int32_t src, std::int32_t dst, std::int32_t upto) {
-    if (upto == 0) return;
+  Status room_for_clone(std::int32_t, std::int32_t) const { return {}; }
+
+  std::int32_t share_prefix(std::int32_t src, std::int32_t dst, std::int32_t upto) {
+    if (upto == 0) return 0;
     copies_.push_back(RowCopy{slot_begin(src), slot_begin(dst), upto});
     used_rows_ += upto;
     nonempty_.set(dst);
+    return upto;
+  }
+
+  // ---- saved state ----
+  static constexpr bool kHoles = false;
+  Status room_for_restore(std::span<const std::int32_t>) const { return {}; }
+  void restore_rows(std::int32_t seq, std::span<const std::int32_t> positions) {
+    used_rows_ += static_cast<std::int64_t>(positions.size());
+    if (!positions.empty()) nonempty_.set(seq);
+  }
+  [[nodiscard]] std::int64_t row_at(std::int32_t seq, std::int32_t pos) const { return slot_begin(seq) + pos; }
+  template <class F>
+  void for_each_held(std::int32_t seq, F&& f) const {
+    for (std::int32_t p = 0; p < this->length(seq); ++p) f(p, slot_begin(seq) + p);
+  }
+
+  // ---- sequence edits ----
+  [[nodiscard]] std::int32_t first_position(std::int32_t seq) const { return this->length(seq) > 0 ? 0 : -1; }
+
+  // Only a suffix (or nothing): rows stay at their positions, so a hole could not be skipped.
+  Result<std::int32_t> remove_positions(std::int32_t seq, std::int32_t lo, std::int32_t hi) {
+    const std::int32_t len = this->length(seq);
+    if (lo >= hi) return len;
+    if (hi < len) return Errc::unsupported_by_layout;
+    truncate_rows(seq, lo);
+    return lo;
+  }
+  Result<std::int32_t> copy_positions(std::int32_t, std::int32_t, std::int32_t, std::int32_t) {
+    return Errc::unsupported_by_layout;  // rows cannot be shared, and dst's slot has no holes
+  }
+  template <class F>
+  Result<std::int32_t> move_positions(std::int32_t, std::int32_t, std::int32_t, F&&) {
+    return Errc::unsupported_by_layout;  // a moved position would need its row moved in the slot
   }
 
   void on_seq_created(std::int32_t) {}

@@ -1,0 +1,259 @@
+// cellkv/sequence_state.hpp - one sequence's saved state as bytes: its positions and the K and V
+// rows of every layer, restorable into a new sequence of a cache whose pool has the same shape,
+// element type and window set (the placement, the layout's sizes and the cache may differ).
+//
+// Format, version 1 (little-endian; the header is 64 bytes):
+//
+//   offset  type      field
+//   0       char[8]   magic "CELLKVSQ"
+//   8       u32       version (1)
+//   12      u32       header bytes (64)
+//   16      u32 x 4   layers, heads_kv, head_dim, element bytes
+//   32      u32       dtype tag (the caller's; e.g. gpu::Dtype's value)
+//   36      u32       window digest (window_digest<W>(): FNV-1a of the per-layer windows)
+//   40      u32       held: positions the sequence holds
+//   44      u32       length: one past the highest held position (0 when none)
+//   48      u64       payload bytes: 4 held + 2 layers held row_bytes, row_bytes = heads_kv head_dim
+//                     element bytes
+//   56      u64       checksum: FNV-1a 64 over bytes [0, 56) and the payload
+//   64      payload   int32 positions[held], strictly ascending; then per layer l: K rows
+//                     [held][row_bytes], V rows [held][row_bytes] (row i is position positions[i])
+//
+// parse_state refuses, changing nothing and naming the reason: fewer bytes than the header or
+// payload declares (state_truncated), another magic (state_bad_magic), another version
+// (state_bad_version), a header size, payload size, trailing bytes, checksum or position list that
+// disagrees (state_corrupt), another shape, element size, dtype or window set (state_mismatch),
+// more positions or a longer length than the target can ever hold (state_too_large). Checks run in
+// that order but for the mismatch, checked after the checksum, so a corrupted shape field reads as
+// corruption.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cellkv/host_pool.hpp"
+#include "cellkv/status.hpp"
+#include "cellkv/windows.hpp"
+
+namespace cellkv {
+
+static_assert(std::endian::native == std::endian::little,
+              "cellkv/sequence_state.hpp: the state format is little-endian; this host is not");
+
+inline constexpr std::array<char, 8> kStateMagic{'C', 'E', 'L', 'L', 'K', 'V', 'S', 'Q'};
+inline constexpr std::uint32_t kStateVersion = 1;
+inline constexpr std::size_t kStateHeaderBytes = 64;
+
+// What a state must match to be restored into a pool.
+struct StateShape {
+  std::int32_t layers = 0;
+  std::int32_t heads_kv = 0;
+  std::int32_t head_dim = 0;
+  std::int32_t elem_bytes = 0;
+  std::uint32_t dtype = 0;    // the caller's tag for the element type
+  std::uint32_t windows = 0;  // window_digest<W>()
+  [[nodiscard]] std::uint64_t row_bytes() const noexcept {
+    return static_cast<std::uint64_t>(heads_kv) * static_cast<std::uint64_t>(head_dim) *
+           static_cast<std::uint64_t>(elem_bytes);
+  }
+  friend bool operator==(const StateShape&, const StateShape&) = default;
+};
+
+namespace detail {
+constexpr std::uint64_t kFnvBasis = 0xCBF2'9CE4'8422'2325ULL, kFnvPrime = 0x0000'0100'0000'01B3ULL;
+constexpr std::uint64_t fnv1a(std::uint64_t h, std::span<const std::byte> bytes) noexcept {
+  for (const std::byte b : bytes) h = (h ^ static_cast<std::uint64_t>(b)) * kFnvPrime;
+  return h;
+}
+template <class T>
+void put(std::vector<std::byte>& out, std::size_t at, T value) {
+  std::memcpy(out.data() + at, &value, sizeof(T));
+}
+template <class T>
+T get(std::span<const std::byte> in, std::size_t at) {
+  T value;
+  std::memcpy(&value, in.data() + at, sizeof(T));
+  return value;
+}
+}  // namespace detail
+
+// FNV-1a (32-bit) of the layer count and every layer's window: equal window sets, equal digests.
+template <WindowSet W>
+constexpr std::uint32_t window_digest() noexcept {
+  std::uint32_t h = 0x811C'9DC5U;
+  auto mix = [&](std::int32_t v) {
+    for (int i = 0; i < 4; ++i) h = (h ^ ((static_cast<std::uint32_t>(v) >> (8 * i)) & 0xFFU)) * 0x0100'0193U;
+  };
+  mix(W::kLayers);
+  for (std::int32_t l = 0; l < W::kLayers; ++l) mix(W::window_of_layer(l));
+  return h;
+}
+
+// A parsed state: views into the bytes it was parsed from (valid while they are).
+struct SavedState {
+  StateShape shape;
+  std::int32_t length = 0;               // one past the highest position (0 when none)
+  std::vector<std::int32_t> positions;   // strictly ascending
+  std::span<const std::byte> rows;       // [layers][2][held][row_bytes]
+  // K (kv = 0) or V (kv = 1) row of positions[i] in `layer`.
+  [[nodiscard]] std::span<const std::byte> row(std::int32_t layer, std::int32_t kv, std::size_t i) const {
+    const std::uint64_t rb = shape.row_bytes(), held = positions.size();
+    const std::uint64_t at = ((static_cast<std::uint64_t>(layer) * 2 + static_cast<std::uint64_t>(kv)) * held + i) * rb;
+    return rows.subspan(static_cast<std::size_t>(at), static_cast<std::size_t>(rb));
+  }
+};
+
+// Bytes of a state holding `positions` (strictly ascending); row(layer, kv, i) returns a pointer to
+// the row_bytes() bytes of position positions[i]'s K (kv 0) or V (kv 1) in that layer.
+template <class RowFn>
+std::vector<std::byte> encode_state(const StateShape& shape, std::span<const std::int32_t> positions, RowFn&& row) {
+  const std::uint64_t held = positions.size(), rb = shape.row_bytes();
+  const std::uint64_t payload = 4 * held + 2 * static_cast<std::uint64_t>(shape.layers) * held * rb;
+  std::vector<std::byte> out(kStateHeaderBytes + static_cast<std::size_t>(payload));
+  std::memcpy(out.data(), kStateMagic.data(), kStateMagic.size());
+  detail::put<std::uint32_t>(out, 8, kStateVersion);
+  detail::put<std::uint32_t>(out, 12, static_cast<std::uint32_t>(kStateHeaderBytes));
+  detail::put<std::int32_t>(out, 16, shape.layers);
+  detail::put<std::int32_t>(out, 20, shape.heads_kv);
+  detail::put<std::int32_t>(out, 24, shape.head_dim);
+  detail::put<std::int32_t>(out, 28, shape.elem_bytes);
+  detail::put<std::uint32_t>(out, 32, shape.dtype);
+  detail::put<std::uint32_t>(out, 36, shape.windows);
+  detail::put<std::uint32_t>(out, 40, static_cast<std::uint32_t>(held));
+  detail::put<std::int32_t>(out, 44, positions.empty() ? 0 : positions.back() + 1);
+  detail::put<std::uint64_t>(out, 48, payload);
+  std::size_t at = kStateHeaderBytes;
+  if (held != 0) std::memcpy(out.data() + at, positions.data(), 4 * positions.size());
+  at += 4 * positions.size();
+  for (std::int32_t l = 0; l < shape.layers; ++l)
+    for (std::int32_t kv = 0; kv < 2; ++kv)
+      for (std::size_t i = 0; i < positions.size(); ++i, at += static_cast<std::size_t>(rb))
+        std::memcpy(out.data() + at, row(l, kv, i), static_cast<std::size_t>(rb));
+  const std::span<const std::byte> all(out);
+  const std::uint64_t sum = detail::fnv1a(detail::fnv1a(detail::kFnvBasis, all.first(56)), all.subspan(kStateHeaderBytes));
+  detail::put<std::uint64_t>(out, 56, sum);
+  return out;
+}
+
+// Parses and checks a state against the pool it is for (`expect`) and the target's limits: at
+// most `max_held` positions and a length of at most `max_length`.
+inline Result<SavedState> parse_state(std::span<const std::byte> bytes, const StateShape& expect, std::int64_t max_held,
+                                      std::int64_t max_length) {
+  if (bytes.size() < kStateMagic.size()) return Errc::state_truncated;
+  if (std::memcmp(bytes.data(), kStateMagic.data(), kStateMagic.size()) != 0) return Errc::state_bad_magic;
+  if (bytes.size() < 12) return Errc::state_truncated;
+  if (detail::get<std::uint32_t>(bytes, 8) != kStateVersion) return Errc::state_bad_version;
+  if (bytes.size() < 16) return Errc::state_truncated;
+  if (detail::get<std::uint32_t>(bytes, 12) != kStateHeaderBytes) return Errc::state_corrupt;
+  if (bytes.size() < kStateHeaderBytes) return Errc::state_truncated;
+  SavedState s;
+  s.shape = StateShape{detail::get<std::int32_t>(bytes, 16), detail::get<std::int32_t>(bytes, 20),
+                       detail::get<std::int32_t>(bytes, 24), detail::get<std::int32_t>(bytes, 28),
+                       detail::get<std::uint32_t>(bytes, 32), detail::get<std::uint32_t>(bytes, 36)};
+  const std::uint64_t held = detail::get<std::uint32_t>(bytes, 40);
+  s.length = detail::get<std::int32_t>(bytes, 44);
+  const std::uint64_t payload = detail::get<std::uint64_t>(bytes, 48);
+  // The declared payload must be the one the header's own fields give (no overflow: each factor is
+  // below 2^32, and a product past the payload bound is corruption).
+  const StateShape& h = s.shape;
+  if (h.layers < 0 || h.heads_kv < 0 || h.head_dim < 0 || h.elem_bytes < 0) return Errc::state_corrupt;
+  std::uint64_t want = 0;
+  bool overflow = __builtin_mul_overflow(static_cast<std::uint64_t>(h.heads_kv), static_cast<std::uint64_t>(h.head_dim), &want);
+  overflow = overflow || __builtin_mul_overflow(want, static_cast<std::uint64_t>(h.elem_bytes), &want);
+  overflow = overflow || __builtin_mul_overflow(want, held, &want);
+  overflow = overflow || __builtin_mul_overflow(want, 2 * static_cast<std::uint64_t>(h.layers), &want);
+  overflow = overflow || __builtin_add_overflow(want, 4 * held, &want);
+  if (overflow || want != payload) return Errc::state_corrupt;
+  if (bytes.size() - kStateHeaderBytes < payload) return Errc::state_truncated;
+  if (bytes.size() - kStateHeaderBytes > payload) return Errc::state_corrupt;  // trailing bytes
+  const std::uint64_t sum = detail::fnv1a(detail::fnv1a(detail::kFnvBasis, bytes.first(56)), bytes.subspan(kStateHeaderBytes));
+  if (sum != detail::get<std::uint64_t>(bytes, 56)) return Errc::state_corrupt;
+  if (!(s.shape == expect)) return Errc::state_mismatch;
+  if (static_cast<std::int64_t>(held) > max_held || s.length > max_length) return Errc::state_too_large;
+  s.positions.resize(static_cast<std::size_t>(held));
+  if (held != 0) std::memcpy(s.positions.data(), bytes.data() + kStateHeaderBytes, 4 * static_cast<std::size_t>(held));
+  for (std::size_t i = 0; i < s.positions.size(); ++i)
+    if (s.positions[i] < 0 || (i > 0 && s.positions[i] <= s.positions[i - 1])) return Errc::state_corrupt;
+  const std::int32_t length = s.positions.empty() ? 0 : s.positions.back() + 1;
+  if (s.length != length) return Errc::state_corrupt;
+  s.rows = bytes.subspan(kStateHeaderBytes + 4 * static_cast<std::size_t>(held));
+  return s;
+}
+
+// ---- files ----
+
+inline Status write_state_file(const std::string& path, std::span<const std::byte> bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  if (!f) return Errc::io_error;
+  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  return f ? Status{} : Status{Errc::io_error};
+}
+// The file's bytes; a file longer than max_bytes is refused (state_too_large) before reading it.
+inline Result<std::vector<std::byte>> read_state_file(const std::string& path, std::uint64_t max_bytes) {
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  if (!f) return Errc::io_error;
+  const std::streamoff size = f.tellg();
+  if (size < 0) return Errc::io_error;
+  if (static_cast<std::uint64_t>(size) > max_bytes) return Errc::state_too_large;
+  std::vector<std::byte> out(static_cast<std::size_t>(size));
+  f.seekg(0);
+  f.read(reinterpret_cast<char*>(out.data()), size);
+  if (!f) return Errc::io_error;
+  return out;
+}
+
+// ---- a host cache and its host pool (host_pool.hpp) ----
+
+template <class Cache, class T>
+StateShape state_shape(const HostPool<T>& pool, std::uint32_t dtype) {
+  return {pool.layers(), pool.heads_kv(), pool.head_dim(), static_cast<std::int32_t>(sizeof(T)), dtype,
+          window_digest<typename Cache::Windows>()};
+}
+
+// The state of sequence id: its held positions and their K and V rows in `pool`.
+template <class Cache, class T>
+Result<std::vector<std::byte>> save_sequence(const Cache& cache, HostPool<T>& pool, std::int32_t id,
+                                             std::uint32_t dtype) {
+  const Result<std::vector<std::int32_t>> held = cache.held_positions(id);
+  if (!held.ok()) return held.status().code();
+  const std::vector<std::int32_t>& positions = held.value();
+  return encode_state(state_shape<Cache>(pool, dtype), positions, [&](std::int32_t l, std::int32_t kv, std::size_t i) {
+    const PoolView<T> v = pool.view(l);
+    const std::int64_t row = cache.row_of(id, positions[i]);
+    return reinterpret_cast<const std::byte*>((kv == 0 ? v.k : v.v) + row * pool.row_elems());
+  });
+}
+
+// A new sequence holding the saved positions, its rows written into `pool`. Refused, changing
+// neither the cache nor the pool: parse_state's reasons, then restore_positions' (no free id, cells,
+// pages; the sequence layout refuses a state with holes).
+template <class Cache, class T>
+Result<std::int32_t> restore_sequence(Cache& cache, HostPool<T>& pool, std::span<const std::byte> bytes,
+                                      std::uint32_t dtype) {
+  const Result<SavedState> parsed =
+      parse_state(bytes, state_shape<Cache>(pool, dtype), std::min<std::int64_t>(cache.capacity(), cache.position_limit()),
+                  cache.position_limit());
+  if (!parsed.ok()) return parsed.status().code();
+  const SavedState& s = parsed.value();
+  const Result<std::int32_t> id = cache.restore_positions(s.positions);
+  if (!id.ok()) return id;
+  for (std::int32_t l = 0; l < s.shape.layers; ++l) {
+    const PoolView<T> v = pool.view(l);
+    for (std::size_t i = 0; i < s.positions.size(); ++i) {
+      const std::int64_t row = cache.row_of(id.value(), s.positions[i]);
+      std::memcpy(v.k + row * pool.row_elems(), s.row(l, 0, i).data(), static_cast<std::size_t>(s.shape.row_bytes()));
+      std::memcpy(v.v + row * pool.row_elems(), s.row(l, 1, i).data(), static_cast<std::size_t>(s.shape.row_bytes()));
+    }
+  }
+  return id;
+}
+
+}  // namespace cellkv
