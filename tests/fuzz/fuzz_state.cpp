@@ -14,6 +14,7 @@
 #include "cellkv/kv_cache.hpp"
 #include "cellkv/host_pool.hpp"
 #include "cellkv/sequence_state.hpp"
+#include "pool_contents.hpp"
 
 namespace {
 
@@ -28,16 +29,6 @@ void fail(const char* what) {
   __builtin_trap();
 }
 
-std::vector<float> contents(HostPool<float>& pool) {
-  std::vector<float> out;
-  for (std::int32_t l = 0; l < pool.layers(); ++l) {
-    const PoolView<float> v = pool.view(l);
-    out.insert(out.end(), v.k, v.k + pool.rows() * pool.row_elems());
-    out.insert(out.end(), v.v, v.v + pool.rows() * pool.row_elems());
-  }
-  return out;
-}
-
 template <class Cache>
 void restore_into(Cache cache, std::span<const std::byte> bytes) {
   HostPool<float> pool(kLayers, cache.capacity(), kHeads, kDim);
@@ -46,10 +37,10 @@ void restore_into(Cache cache, std::span<const std::byte> bytes) {
     (void)cache.declare_step(ids);
   }
   const Cache before = cache;
-  const std::vector<float> pool_before = contents(pool);
+  const std::vector<float> pool_before = test::pool_contents(pool);
   const Result<std::int32_t> id = restore_sequence(cache, pool, bytes, kTag);
   if (!id.ok()) {
-    if (!(cache == before) || contents(pool) != pool_before) fail("a refusal changed the cache or the pool");
+    if (!(cache == before) || test::pool_contents(pool) != pool_before) fail("a refusal changed the cache or the pool");
     return;
   }
   const Result<SavedState> s =

@@ -12,6 +12,7 @@
 #include "cellkv/kv_cache.hpp"
 #include "cellkv/host_pool.hpp"
 #include "cellkv/sequence_state.hpp"
+#include "pool_contents.hpp"
 #include "support.hpp"
 
 namespace {
@@ -50,16 +51,6 @@ std::vector<float> rows_at(const Cache& cache, HostPool<float>& pool, std::int32
   return out;
 }
 
-std::vector<float> pool_contents(HostPool<float>& pool) {
-  std::vector<float> out;
-  for (std::int32_t l = 0; l < pool.layers(); ++l) {
-    const PoolView<float> v = pool.view(l);
-    out.insert(out.end(), v.k, v.k + pool.rows() * pool.row_elems());
-    out.insert(out.end(), v.v, v.v + pool.rows() * pool.row_elems());
-  }
-  return out;
-}
-
 // A cell cache whose sequence 1 holds positions 0..2, 5..9 (a hole at 3..4), among others.
 struct Source {
   Lowest cache{{.max_write = 16, .max_cells = 40}};
@@ -78,11 +69,11 @@ template <class Cache>
 void check_refused(Cache& cache, HostPool<float>& pool, std::span<const std::byte> bytes, Errc want,
                    std::uint32_t dtype = kF32) {
   const Cache before = cache;
-  const std::vector<float> pool_before = pool_contents(pool);
+  const std::vector<float> pool_before = test::pool_contents(pool);
   const Result<std::int32_t> got = restore_sequence(cache, pool, bytes, dtype);
   CHECK(got.status() == want);
   CHECK(cache == before);
-  CHECK(pool_contents(pool) == pool_before);
+  CHECK(test::pool_contents(pool) == pool_before);
 }
 
 }  // namespace
