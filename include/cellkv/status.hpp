@@ -51,6 +51,8 @@ enum class Errc : std::uint8_t {
   state_corrupt,       // the checksum or the header's own fields disagree with the bytes
   state_too_large,     // more positions than the cache could ever hold
   io_error,            // a state file could not be opened, read or written
+  // device caches
+  no_key_rotation,     // seq_add / seq_div on a device cache whose key rotation is not set
 };
 
 [[nodiscard]] constexpr std::string_view describe(Errc e) noexcept {
@@ -94,6 +96,9 @@ enum class Errc : std::uint8_t {
     case Errc::state_corrupt: return "state corrupt: the checksum or the header's fields disagree with the bytes";
     case Errc::state_too_large: return "state too large: more positions than the cache could ever hold";
     case Errc::io_error: return "I/O error: a state file could not be opened, read or written";
+    case Errc::no_key_rotation:
+      return "no key rotation: seq_add / seq_div move cells whose K must be re-rotated; set the device cache's key "
+             "rotation first (set_key_rotation: RoPE, a caller kernel, or none)";
   }
   return "unknown status";
 }

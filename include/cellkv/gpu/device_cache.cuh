@@ -26,9 +26,9 @@
 
 namespace cellkv::gpu {
 
-// Planning verbs (declare_step, seq_new, seq_clone, seq_rm, rewind, clear, host()) from
-// PlanningVerbs; device verbs and state (upload, write, attend, update_and_attend, commit, pool(),
-// bindings(), mask(), width(), runs_table_kernels(), use_kernels(), share_prefixes(), work_counts(),
+// Planning verbs (declare_step, seq_new, seq_clone, seq_rm, rewind, clear, the sequence edits,
+// restore_positions, host()) from PlanningVerbs; device verbs and state (upload, write, attend,
+// update_and_attend, commit, set_key_rotation, pool(), bindings(), mask(), width(), runs_table_kernels(), use_kernels(), share_prefixes(), work_counts(),
 // footprint()) from DeviceShard.
 template <Layout L, Element T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
 class DeviceCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, DeviceCache<L, T, W, P, MaxSeqs>>,
@@ -60,6 +60,10 @@ class DeviceCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, DeviceCache<
 
  private:
   void before_planning() noexcept {}  // upload acknowledges the changes of its one device
+  // seq_add / seq_div wait for a key rotation where cells move (the cell layout).
+  [[nodiscard]] Status check_key_rotation() const noexcept {
+    return !L::kPositionTable || Shard::key_rotation_set() ? Status{} : Status{Errc::no_key_rotation};
+  }
 };
 
 }  // namespace cellkv::gpu

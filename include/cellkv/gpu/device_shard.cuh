@@ -28,6 +28,7 @@
 #include "cellkv/kv_cache.hpp"
 #include "cellkv/sharing_planner.hpp"
 #include "cellkv/gpu/device_layout.cuh"
+#include "cellkv/gpu/key_rotation.cuh"
 #include "cellkv/gpu/kernels/tile_rows.cuh"
 #include "cellkv/gpu/kv_pool.hpp"
 #include "cellkv/gpu/launch/ops.cuh"
@@ -120,14 +121,24 @@ class DeviceShard {
     return device_footprint<Host>(config, shape, {sizeof(T), kTable && built, kTableKernelElement<T>});
   }
 
+  // How upload re-rotates the K rows seq_add / seq_div moved (key_rotation.cuh); bad_argument when
+  // rotation.check refuses it for this shard's shape (nothing changes). Applies from the next upload.
+  Status set_key_rotation(KeyRotation<T> rotation) {
+    if (const Status s = rotation.check(pool_.shape().layers, pool_.shape().head_dim); !s.ok()) return s;
+    rotation_ = std::move(rotation);
+    return {};
+  }
+  [[nodiscard]] bool key_rotation_set() const noexcept { return rotation_.set(); }
+
   // Reports (Errc::bad_device_row) and clears a fault device code set since the last report: a
   // write_kv of this shard met a row outside the pool (docs/design.md section 5).
   [[nodiscard]] Status take_device_fault() noexcept {
     return (buffers_.take_fault() & kFaultBadRow) != 0 ? Status{Errc::bad_device_row} : Status{};
   }
 
-  // Uploads the host's placed step padded to `width` tokens (0: exactly T): runs the fork copies
-  // (sequence layout), writes the pending position-table entries (cell layout), copies the step
+  // Uploads the host's placed step padded to `width` tokens (0: exactly T): runs the pending row
+  // copies (forks of the sequence layout, copy-on-write cells of the cell layout), then the K
+  // re-rotations of moved cells (key_rotation.cuh), writes the pending position-table entries (cell layout), copies the step
   // block (tokens, segments, every window's work; row ranges for the sequence layout's reference
   // kernel) and builds the dense masks (cell layout, per `masks`). Refuses when no step is placed
   // or width is outside [T, max_write], and with bad_device_row once after a device fault.
@@ -138,6 +149,7 @@ class DeviceShard {
     if (width == 0) width = plan.tokens;
     if (const Status s = last_.wait_on(stream); !s.ok()) return s;
     if (const Status s = run_copies(stream); !s.ok()) return s;
+    if (const Status s = run_rotations(stream); !s.ok()) return s;
     const TableChanges changes = host_.pending_changes().table;
     std::size_t first = 0;  // table writes beyond one block's room go first, in batches
     const auto room = static_cast<std::size_t>(buffers_.shape().max_table_writes);
@@ -287,6 +299,33 @@ class DeviceShard {
     return {};
   }
 
+  // The K re-rotations of moved cells, every layer, in batches through a device list allocated by
+  // the first upload that has any (the host list is pageable: each copy is staged before it returns).
+  Status run_rotations(::cuda::stream_ref stream) {
+    const std::span<const RowRotation> all = host_.pending_changes().rotations;
+    if (all.empty()) return {};
+    if (!rotation_.set()) return Errc::no_key_rotation;
+    constexpr std::size_t kBatch = 4096;
+    if (rotation_list_.size() == 0) {
+      try {
+        rotation_list_ = DeviceBuffer<RowRotation>(kBatch);
+      } catch (const Error&) {
+        return Errc::device_error;
+      }
+    }
+    for (std::size_t first = 0; first < all.size(); first += kBatch) {
+      const std::span<const RowRotation> batch = all.subspan(first, std::min(kBatch, all.size() - first));
+      CELLKV_CUDA_STATUS(cudaMemcpyAsync(rotation_list_.data(), batch.data(), batch.size_bytes(), cudaMemcpyHostToDevice,
+                                         stream.get()));
+      for (std::int32_t l = 0; l < W::kLayers; ++l)
+        if (const Status s = rotation_.run(l, pool_.view(l), rotation_list_.data(), static_cast<std::int32_t>(batch.size()),
+                                           stream);
+            !s.ok())
+          return s;
+    }
+    return {};
+  }
+
   // Staging image of the step block: real tokens, then padding (scratch row, sequence -1); the
   // segments; every window's work (table kernels) or row ranges (the sequence layout's reference).
   void fill_block(std::byte* block, const StepPlan& plan, std::int32_t width) {
@@ -382,6 +421,8 @@ class DeviceShard {
   KVPool<L, T> pool_;
   StepBuffers buffers_;
   DeviceBuffer<bool> masks_;
+  KeyRotation<T> rotation_;
+  DeviceBuffer<RowRotation> rotation_list_;  // kBatch entries once a rotation ran
   std::optional<TableKernels> table_;
   std::array<WorkCounts, kMaxWindows> counts_{};  // work of each window in the uploaded step
   KernelChoice choice_ = KernelChoice::automatic;

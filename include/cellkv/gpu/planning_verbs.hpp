@@ -2,7 +2,8 @@
 // written once for DeviceCache and ShardedCache (the one layer between a caller and the host cache).
 //
 // `Owner` (CRTP) is told before every planning verb through `before_planning()`, where it may
-// acknowledge changes every device has uploaded (docs/design.md section 5). Verbs and refusals are
+// acknowledge changes every device has uploaded (docs/design.md section 5), and is asked
+// `check_key_rotation()` before a verb that moves cells. Verbs and refusals are
 // the host cache's own (docs/design.md section 4); the owner's device state is never touched here.
 #pragma once
 
@@ -42,6 +43,38 @@ class PlanningVerbs {
   void clear() {
     owner().before_planning();
     host_.clear();
+  }
+
+  // Sequence edits (docs/design.md section 4, "Sequence edits"). seq_add and seq_div move cells
+  // whose K the device re-rotates at the next upload: on the cell layout they are refused
+  // (no_key_rotation, before any other check) until the owner's key rotation is set.
+  Status seq_rm(std::int32_t id, std::int32_t p0, std::int32_t p1) {
+    owner().before_planning();
+    return host_.seq_rm(id, p0, p1);
+  }
+  Status seq_cp(std::int32_t src, std::int32_t dst, std::int32_t p0, std::int32_t p1) {
+    owner().before_planning();
+    return host_.seq_cp(src, dst, p0, p1);
+  }
+  Status seq_keep(std::int32_t id) {
+    owner().before_planning();
+    return host_.seq_keep(id);
+  }
+  Status seq_add(std::int32_t id, std::int32_t p0, std::int32_t p1, std::int32_t delta) {
+    if (const Status s = owner().check_key_rotation(); !s.ok()) return s;
+    owner().before_planning();
+    return host_.seq_add(id, p0, p1, delta);
+  }
+  Status seq_div(std::int32_t id, std::int32_t p0, std::int32_t p1, std::int32_t d) {
+    if (const Status s = owner().check_key_rotation(); !s.ok()) return s;
+    owner().before_planning();
+    return host_.seq_div(id, p0, p1, d);
+  }
+  // A new sequence holding exactly `positions`, in fresh rows the caller fills (the device
+  // restore of gpu/sequence_state.cuh does); the host cache's refusals.
+  Result<std::int32_t> restore_positions(std::span<const std::int32_t> positions) {
+    owner().before_planning();
+    return host_.restore_positions(positions);
   }
 
  protected:

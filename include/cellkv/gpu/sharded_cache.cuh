@@ -118,6 +118,12 @@ class ShardedCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, ShardedCach
   void use_kernels(KernelChoice choice) noexcept {
     for (auto& s : shards_) s->use_kernels(choice);
   }
+  // The key rotation of every shard (DeviceShard::set_key_rotation); refused for all or none.
+  Status set_key_rotation(const KeyRotation<T>& rotation) {
+    if (const Status s = rotation.check(model_.layers, model_.head_dim); !s.ok()) return s;
+    for (auto& s : shards_) (void)s->set_key_rotation(rotation);
+    return {};
+  }
 
   // ---- device steps ----
   // Uploads the placed step to every shard, shard g on streams[g] (a stream of device g). Checks
@@ -168,6 +174,14 @@ class ShardedCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, ShardedCach
   }
 
  private:
+  // seq_add / seq_div wait for a key rotation where cells move (the cell layout).
+  [[nodiscard]] Status check_key_rotation() const noexcept {
+    if constexpr (L::kPositionTable)
+      for (const auto& s : shards_)
+        if (!s->key_rotation_set()) return Errc::no_key_rotation;
+    return {};
+  }
+
   // Acknowledges the host's pending changes once every shard has uploaded the placed step.
   void before_planning() {
     Host& host = this->host_;
