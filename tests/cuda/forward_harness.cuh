@@ -11,6 +11,7 @@
 
 #include "cellkv/gpu/device_cache.cuh"
 #include "cellkv/reference.hpp"
+#include "cellkv/rope.hpp"
 #include "support.cuh"
 
 namespace cellkv::test {
@@ -117,7 +118,18 @@ class ForwardHarness {
     return true;
   }
 
-  // Fork copies of the sequence layout, applied to the host pools too.
+  // K re-rotations of moved cells (after the copies), applied to the host pools too: the host's
+  // float64 rotation of rope.hpp, the oracle of the device's.
+  void mirror_rotations(const std::vector<RowRotation>& rotations, const RopeSpec& spec) {
+    for (std::int32_t l = 0; l < W::kLayers; ++l) {
+      const PoolView<double> pool{host_k_[static_cast<std::size_t>(l)].data(), host_v_[static_cast<std::size_t>(l)].data(),
+                                  cache_.pool().rows(), shape_.heads_kv, shape_.head_dim};
+      rerotate_keys<double>(pool, rotations, spec);
+    }
+  }
+
+  // Fork copies of the sequence layout (and copy-on-write cells of the cell layout), applied to
+  // the host pools too.
   void mirror_copies(const std::vector<RowCopy>& copies) {
     for (const RowCopy& c : copies)
       for (std::int32_t l = 0; l < W::kLayers; ++l)

@@ -5,7 +5,9 @@
 //   pv          O [16 x D] += P V over a swizzled V tile
 //   RowState    the online softmax of the warp's 16 rows (two per lane)
 //   RowHalf     a lane's share of a finished row: normalized output and log2-sum-exp
-//   mask_tile   scores -> log2 units, -inf where a row may not see a column's position
+//   mask_tile   scores -> log2 units, -inf where a row may not see a column's position or the
+//               column is absent (a hole, or a position no row of the tile reads)
+//   AbsentMasks the absent columns of the tiles in flight, oldest first
 // Lane layout of accumulators (mma.cuh): lane holds rows lane / 4 and lane / 4 + 8, columns
 // 2 (lane % 4) and 2 (lane % 4) + 1 of every 8-wide block.
 #pragma once
@@ -164,12 +166,43 @@ struct RowHalf {
   }
 };
 
-// Scores of a tile -> log2 units; -inf where the row may not see the column. Row r of the 16 sits
-// at query position qpos(r) (rows >= `rows` see nothing); column c holds key position key0 + c.
-// With `full`, every row < rows sees every column (the caller checked the tile's range).
+// Bit c set: column c of a tile is absent (its row id is -1: a hole of the sequence, or a position
+// no row of the tile reads; its K and V were zero-filled). From the row ids of positions
+// [32 j, 32 j + 32), one per lane: ids_j of lane l is column 32 j + l (lanes past the tile: -1).
+__device__ __forceinline__ std::uint64_t absent_columns(int id0, int id1) {
+  const std::uint32_t lo = __ballot_sync(0xffffffffu, id0 < 0), hi = __ballot_sync(0xffffffffu, id1 < 0);
+  return static_cast<std::uint64_t>(hi) << 32 | lo;
+}
+
+// The absent masks of the N tiles a ring has in flight, oldest first: push() at each issue (0 for an
+// empty slot), pop() at each compute. Constant indices only, so the masks stay in registers.
+template <int N>
+struct AbsentMasks {
+  std::uint64_t m[N] = {};
+  // Slot k of a prologue that fills slots [0, N - 1) in order (k a compile-time constant after unrolling).
+  __device__ __forceinline__ void set(int k, std::uint64_t mask) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (i == k) m[i] = mask;
+  }
+  __device__ __forceinline__ void push(std::uint64_t mask) { m[N - 1] = mask; }
+  __device__ __forceinline__ std::uint64_t pop() {
+    const std::uint64_t oldest = m[0];
+#pragma unroll
+    for (int i = 0; i + 1 < N; ++i) m[i] = m[i + 1];
+    return oldest;
+  }
+};
+
+// Scores of a tile -> log2 units; -inf where the row may not see the column or the column is
+// absent (bit c of `absent`). Row r of the 16 sits at query position qpos(r) (rows >= `rows` see
+// nothing); column c holds key position key0 + c. With `full`, every row < rows sees every column's
+// position (the caller checked the tile's range).
 template <int NT, class QPos>
 __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int rows, QPos&& qpos, int key0, int window, bool full,
-                                          float scale_log2, int lane) {
+                                          std::uint64_t absent, float scale_log2, int lane) {
+  static_assert(NT * 8 <= 64, "absent masks cover 64 columns");
+  const bool whole = full && absent == 0;  // every row < rows sees every column
 #pragma unroll
   for (int e2 = 0; e2 < 2; ++e2) {
     const int r = (lane >> 2) + 8 * e2;
@@ -180,8 +213,8 @@ __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int rows, QPos&& qp
     for (int n = 0; n < NT; ++n)
 #pragma unroll
       for (int e = 2 * e2; e < 2 * e2 + 2; ++e) {
-        const int key = key0 + n * 8 + (lane & 3) * 2 + (e & 1);
-        const bool ok = row_ok && (full || seen.contains(key));
+        const int col = n * 8 + (lane & 3) * 2 + (e & 1), key = key0 + col;
+        const bool ok = row_ok && (whole || (seen.contains(key) && ((absent >> col) & 1) == 0));
         s[n][e] = ok ? s[n][e] * scale_log2 : -INFINITY;
       }
   }

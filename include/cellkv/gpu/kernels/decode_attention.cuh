@@ -8,7 +8,8 @@
 // of tiles whatever the lengths and wherever the cells are.
 //
 // A warp streams its chunk through its own ring of `Stages` shared-memory stages (16-byte cp.async
-// copies of the rows the table names, gathered row by row) with no block-wide barrier; the table
+// copies of the rows the table names, gathered row by row; a hole's row is zero-filled and its
+// column masked) with no block-wide barrier; the table
 // is read ahead (the page of the tile two ahead, the row ids of the tile one ahead), and a pair's
 // queries go straight to registers. Throughput comes from many independent warps per SM (small
 // tiles), not from one warp's depth. At the end of a pair's part the warp writes the output, or,
@@ -481,14 +482,21 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   cc.seek(a, g0, heads_kv, G::kPositions, lane);
   RowFetch<D, Rows> fetch;
   fetch.start(a, cc, g1, heads_kv, lane);
-  // Issues the next tile into stage s (or an empty group past the chunk's end).
-  auto issue_next = [&](int s) {
-    if (!fetch.next[0].valid) return ring.skip();
+  // Issues the next tile into stage s (or an empty group past the chunk's end); returns the tile's
+  // absent columns (holes, positions no row reads).
+  auto issue_next = [&](int s) -> std::uint64_t {
+    if (!fetch.next[0].valid) {
+      ring.skip();
+      return 0;
+    }
+    const std::uint64_t absent = absent_columns(fetch.ids[0][0], G::kIds > 1 ? fetch.ids[0][G::kIds - 1] : -1);
     ring.issue(s, a.pool, fetch.next[0].h, fetch.ids[0], lane);
     fetch.advance(a, g1, heads_kv, lane);
+    return absent;
   };
+  AbsentMasks<Stages> absent;
 #pragma unroll
-  for (int s = 0; s < Stages - 1; ++s) issue_next(s);
+  for (int s = 0; s < Stages - 1; ++s) absent.set(s, issue_next(s));
 
   QFragments<D> q;
   q.tile = q_tile;
@@ -506,13 +514,14 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
       if constexpr (!kQueryInRegisters<D>) load_query_shared<D>(q_tile, a.q, a.heads_q, p, lane);
       st = RowState<D>{};
     }
-    issue_next(cur + Stages - 1 < Stages ? cur + Stages - 1 : cur - 1);  // the stage computed last iteration
+    absent.push(issue_next(cur + Stages - 1 < Stages ? cur + Stages - 1 : cur - 1));  // the stage computed last iteration
 
     const int key0 = (cc.tile0 + cc.t) * G::kPositions;
     const bool full = key0 >= visible_begin(a.window, p.qpos(p.rows - 1)) && key0 + G::kPositions - 1 <= cc.seg.pos0;
     float s[G::kNT][4];
     qk<D, G::kNT, T>(s, q, ring.k(cur), 0, lane);
-    mask_tile<G::kNT>(s, p.rows, [&](int r) { return p.qpos(r); }, key0, a.window, full, a.scale_log2, lane);
+    mask_tile<G::kNT>(s, p.rows, [&](int r) { return p.qpos(r); }, key0, a.window, full, absent.pop(), a.scale_log2,
+                      lane);
     st.absorb(s);
     pv<D, G::kNT, T>(st.o, s, ring.v(cur), 0, lane);
 

@@ -100,7 +100,8 @@ __device__ __forceinline__ void issue_prefill_tile(const PoolView<const T>& pool
 }
 
 // Where a block's tiles are read: KV head hk, tiles `span` of sequence seq, of which the positions
-// `seen` are gathered (the rest zero-filled; every row masks what it does not see).
+// `seen` are gathered (the rest, and holes, zero-filled; every row masks what it does not see and
+// every absent column).
 struct TileSource {
   int seq = 0, hk = 0;
   TileSpan span;
@@ -136,9 +137,16 @@ __device__ void attend_block(const LayerArgs<T, Rows>& a, const QRows& it, const
   QFragments<D> q;
   q.init(q_tile, 16 * warp, lane);
   RowState<D> st;
+  // Each warp's copy of the absent columns of the tiles in flight, read off the ids at each issue.
+  auto absent_of = [&](const int* tile_ids) { return absent_columns(tile_ids[lane], tile_ids[lane + 32]); };
+  static_assert(kPrefillTile == 64, "absent_of reads 64 row ids");
+  AbsentMasks<Stages> absent;
 #pragma unroll
   for (int j = 0; j < Stages - 1; ++j) {  // tiles [0, Stages - 1), a commit group each
-    if (j < count) issue_prefill_tile<D>(a.pool, src.hk, ids[j], k_stage(j), k_stage(j) + kTileBytes);
+    if (j < count) {
+      absent.set(j, absent_of(ids[j]));
+      issue_prefill_tile<D>(a.pool, src.hk, ids[j], k_stage(j), k_stage(j) + kTileBytes);
+    }
     cp_async_commit();
   }
   if constexpr (Stages == 3) {  // tile 2's ids replace tile 0's, once every thread issued tile 0
@@ -149,17 +157,19 @@ __device__ void attend_block(const LayerArgs<T, Rows>& a, const QRows& it, const
     cp_async_wait<Stages - 2>();
     __syncthreads();  // tile j landed; ids of tile j + Stages - 1 visible; its stage free
     const int ahead = j + Stages - 1;
+    absent.push(ahead < count ? absent_of(ids[ahead % 2]) : 0);
     if (ahead < count)
       issue_prefill_tile<D>(a.pool, src.hk, ids[ahead % 2], k_stage(ahead % Stages), k_stage(ahead % Stages) + kTileBytes);
     cp_async_commit();
+    const std::uint64_t absent_j = absent.pop();
     const int next_id = ahead + 1 < count && threadIdx.x < kPrefillTile ? id_of(ahead + 1) : -1;
     const int key0 = (src.span.first + j) * kPrefillTile;
     if (mine.rows > 0 && key0 <= mine.last() && key0 + kPrefillTile - 1 >= visible_begin(a.window, mine.first())) {
       const bool full = key0 >= visible_begin(a.window, mine.last()) && key0 + kPrefillTile - 1 <= mine.first();
       float s[kPrefillTile / 8][4];
       qk<D, kPrefillTile / 8, T>(s, q, k_stage(j % Stages), 0, lane);
-      mask_tile<kPrefillTile / 8>(s, mine.rows, [&](int r) { return mine.qpos(r); }, key0, a.window, full, a.scale_log2,
-                                  lane);
+      mask_tile<kPrefillTile / 8>(s, mine.rows, [&](int r) { return mine.qpos(r); }, key0, a.window, full, absent_j,
+                                  a.scale_log2, lane);
       st.absorb(s);
       pv<D, kPrefillTile / 8, T>(st.o, s, k_stage(j % Stages) + kTileBytes, 0, lane);
     }

@@ -37,7 +37,7 @@ __global__ void build_masks(StepBindings b, WindowList windows, std::int64_t rea
   if (seq < 0) return;
   const PositionRange seen = visible_positions(windows.w[blockIdx.y], b.token_pos[t]);
   for (std::int32_t p = seen.begin + static_cast<std::int32_t>(threadIdx.x); p <= seen.end; p += blockDim.x)
-    row[b.table.cell(seq, p)] = true;
+    if (const std::int32_t cell = b.table.cell(seq, p); cell >= 0) row[cell] = true;  // -1: a hole
 }
 
 }  // namespace cellkv::gpu::kernels

@@ -4,7 +4,8 @@
 // A tile is n <= kPagePositions consecutive positions of one sequence starting at a multiple of n,
 // so it lies inside one page of the position table. Both policies are trivially copyable:
 //   TableRows  cell layout: the row of position p of seq is the table's cell (one directory read
-//              per tile, then one entry per position)
+//              per tile, then one entry per position); -1 for a hole (a page entry of -1, or a
+//              page of only holes: directory entry -1), which the kernels mask
 //   SlotRows   sequence layout: row = seq * max_len + p
 #pragma once
 
@@ -25,13 +26,13 @@ struct TableRows {
     std::int32_t page;
     std::int32_t first;
   };
-  // Precondition: position `base` is held by seq.
+  // Precondition: base < pos(seq) of a live sequence.
   __device__ __forceinline__ Tile tile(std::int32_t seq, std::int32_t base) const {
     return {table.page_of(seq, base), base % kPagePositions};
   }
-  // Row of position base + i; precondition: that position is held by the sequence.
+  // Row of position base + i (< pos(seq)), -1 for a hole.
   __device__ __forceinline__ std::int32_t row(const Tile& t, std::int32_t i) const {
-    return table.pages[static_cast<std::int64_t>(t.page) * kPagePositions + t.first + i];
+    return t.page < 0 ? -1 : table.pages[static_cast<std::int64_t>(t.page) * kPagePositions + t.first + i];
   }
 };
 
