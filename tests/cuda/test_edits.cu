@@ -8,12 +8,14 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <map>
 #include <random>
 #include <vector>
 
 #include "cellkv/gpu/device_cache.cuh"
+#include "cellkv/gpu/sharded_cache.cuh"
 #include "cellkv/gpu/stream.hpp"
 #include "cellkv/rope.hpp"
 #include "../host/after_last_placement.hpp"
@@ -27,8 +29,10 @@ using namespace cellkv::test;
 
 // ---- random verbs with edits, against the host reference ----
 
-// One random edit (or none) on a live sequence; refusals (collisions, full sequences, no cells)
-// are part of the traffic.
+// One random edit (or none) on a live sequence, mostly in the forms runtimes use (a context shift:
+// remove a range, slide the rest down; self-extend: a sparse tail divided by 2; the tail moved up,
+// opening holes), some arbitrary; refusals (collisions, full sequences, no cells) are part of the
+// traffic.
 template <class Cache>
 void random_edit(Cache& cache, std::mt19937_64& rng) {
   auto pick = [&](std::int32_t n) { return static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(n)); };
@@ -39,16 +43,26 @@ void random_edit(Cache& cache, std::mt19937_64& rng) {
   const std::int32_t other = live[static_cast<std::size_t>(pick(static_cast<std::int32_t>(live.size())))];
   const std::int32_t end = cache.host().pos(s).value() + 1;
   const std::int32_t p0 = pick(end), p1 = p0 + pick(end - p0 + 1);
-  switch (pick(13)) {
-    case 0: case 1: case 2: (void)cache.seq_rm(s, p0, p1); break;
-    case 3: (void)cache.seq_cp(s, other, p0, p1); break;
-    case 4: case 5: (void)cache.seq_add(s, p0, -1, -pick(p1 - p0 + 1)); break;  // a context shift
-    case 6: (void)cache.seq_add(s, p0, p1, pick(40) - 20); break;
-    case 7: (void)cache.seq_div(s, p0, p1, 1 + pick(3)); break;
-    case 8: if (pick(4) == 0) (void)cache.seq_keep(s); break;
-    case 9:  // a fork, then a shift of the source: the cells it shares are copied on write
-      if (cache.seq_clone(s).ok()) (void)cache.seq_add(s, p0, -1, -pick(p1 - p0 + 1));
+  auto shift = [&] {
+    if (cache.seq_rm(s, p0, p1).ok()) (void)cache.seq_add(s, p1, -1, p0 - p1);
+  };
+  switch (pick(12)) {
+    case 0: case 1: (void)cache.seq_rm(s, p0, p1); break;
+    case 2: (void)cache.seq_cp(s, other, p0, p1); break;
+    case 3: case 4: shift(); break;
+    case 5:  // a fork, then a shift of the source: the cells it shares are copied on write
+      if (cache.seq_clone(s).ok()) shift();
       break;
+    case 6: (void)cache.seq_add(s, p0, -1, pick(20)); break;
+    case 7:  // self-extend of a short tail
+      if (end - p0 <= 64 && cache.seq_rm(s, p0 / 2, p0).ok()) {
+        for (std::int32_t p = p0 | 1; p < end; p += 2) (void)cache.seq_rm(s, p, p + 1);
+        (void)cache.seq_div(s, p0, -1, 2);
+      }
+      break;
+    case 8: (void)cache.seq_add(s, p0, p1, pick(40) - 20); break;
+    case 9: (void)cache.seq_div(s, p0, p1, 1 + pick(3)); break;
+    case 10: if (pick(4) == 0) (void)cache.seq_keep(s); break;
     default: break;
   }
 }
@@ -375,4 +389,85 @@ TEST_CASE("key rotation: the sequence layout refuses moves for its own reason, w
   CHECK(cache.seq_add(s, 0, -1, 1) == Errc::unsupported_by_layout);
   CHECK(cache.seq_div(s, 0, -1, 2) == Errc::unsupported_by_layout);
   CHECK(cache.seq_rm(s, 0, -1).ok());  // a suffix: served
+}
+
+TEST_CASE("key rotation on a sharded cache: every shard re-rotates its heads as the single-GPU cache does") {
+  using T = __nv_bfloat16;
+  using W = Windows<0, 0>;
+  const CacheConfig config{.max_write = 32, .max_cells = 512, .max_seqs = 4};
+  const gpu::PoolShape shape{.layers = 2, .heads_kv = 2, .head_dim = 64, .heads_q = 4};
+  gpu::DeviceCache<layout::cell, T, W, placement::lowest_free, 8> single(config, shape);
+  gpu::ShardedCache<layout::cell, T, W, placement::lowest_free, 8> sharded(config, shape, std::vector<int>{0, 0});
+  gpu::Stream s0, s1;
+  const std::vector<::cuda::stream_ref> refs{s0.ref(), s1.ref()};
+  std::mt19937_64 rng(11);
+  const std::vector<T> k = random_values<T>(20 * 2 * 64, rng), v = random_values<T>(20 * 2 * 64, rng);
+  DeviceArray<T> dk(k), dv(v), dk_head[2] = {DeviceArray<T>(20 * 64), DeviceArray<T>(20 * 64)},
+                               dv_head[2] = {DeviceArray<T>(20 * 64), DeviceArray<T>(20 * 64)};
+  for (int g = 0; g < 2; ++g) {  // shard g's KV head g: [20, 1, 64]
+    std::vector<T> kh, vh;
+    for (int t = 0; t < 20; ++t) {
+      kh.insert(kh.end(), k.begin() + (t * 2 + g) * 64, k.begin() + (t * 2 + g + 1) * 64);
+      vh.insert(vh.end(), v.begin() + (t * 2 + g) * 64, v.begin() + (t * 2 + g + 1) * 64);
+    }
+    dk_head[g].upload(kh);
+    dv_head[g].upload(vh);
+  }
+  const std::int32_t s = single.seq_new().value();
+  REQUIRE(sharded.seq_new().value() == s);
+  const std::vector<std::int32_t> prompt(20, s);
+  REQUIRE(single.declare_step(prompt).ok());
+  REQUIRE(sharded.declare_step(prompt).ok());
+  REQUIRE(single.upload(s0).ok());
+  REQUIRE(sharded.upload(refs).ok());
+  for (std::int32_t l = 0; l < 2; ++l) {
+    REQUIRE(single.write(l, dk.data(), dv.data(), 20, s0).ok());
+    for (int g = 0; g < 2; ++g) REQUIRE(sharded.shard(g).write(l, dk_head[g].data(), dv_head[g].data(), 20, refs[g]).ok());
+  }
+  REQUIRE(single.commit(s0).ok());
+  REQUIRE(sharded.commit(refs).ok());
+
+  CHECK(sharded.seq_add(s, 6, -1, -4) == Errc::no_key_rotation);
+  const auto rope = gpu::KeyRotation<T>::rope(RopeSpec{.theta = 10000.0, .pairs = RopePairs::interleaved});
+  CHECK(sharded.set_key_rotation(gpu::KeyRotation<T>::rope(RopeSpec{.rotary_dims = 65})) == Errc::bad_argument);
+  REQUIRE(single.set_key_rotation(rope).ok());
+  REQUIRE(sharded.set_key_rotation(rope).ok());
+  auto edit = [&](auto& c) {  // the same verbs on both caches
+    const std::int32_t f = c.seq_clone(s).value();  // shares s's cells: the shift copies them on write
+    REQUIRE(c.seq_rm(s, 2, 6).ok());
+    REQUIRE(c.seq_add(s, 6, -1, -4).ok());
+    REQUIRE(c.declare_step(std::vector<std::int32_t>{s, f}).ok());
+  };
+  edit(single);
+  edit(sharded);
+  REQUIRE(single.upload(s0).ok());
+  REQUIRE(sharded.upload(refs).ok());
+  REQUIRE(single.commit(s0).ok());
+  REQUIRE(sharded.commit(refs).ok());
+  s0.synchronize();
+  s1.synchronize();
+  // Every row both hosts placed alike: shard g's K of head g equals the single cache's, bit for bit.
+  const auto rows = static_cast<std::size_t>(single.pool().rows());
+  for (std::int32_t l = 0; l < 2; ++l) {
+    std::vector<T> whole(rows * 2 * 64);
+    REQUIRE(cudaMemcpy(whole.data(), single.pool().view(l).k, whole.size() * sizeof(T), cudaMemcpyDeviceToHost) ==
+            cudaSuccess);
+    for (int g = 0; g < 2; ++g) {
+      std::vector<T> part(rows * 64);
+      REQUIRE(cudaMemcpy(part.data(), sharded.shard(g).pool().view(l).k, part.size() * sizeof(T),
+                         cudaMemcpyDeviceToHost) == cudaSuccess);
+      for (std::int32_t p = 0; p < 16; ++p) {
+        const std::int64_t row = single.host().row_of(s, p);
+        REQUIRE(row == sharded.host().row_of(s, p));
+        CHECK(std::memcmp(&whole[static_cast<std::size_t>(row) * 128 + static_cast<std::size_t>(g) * 64],
+                          &part[static_cast<std::size_t>(row) * 64], 64 * sizeof(T)) == 0);
+      }
+    }
+  }
+  // And the moved rows did change (a rotation ran): position 6 of s now holds token 10's K re-rotated.
+  std::vector<T> moved(2 * 64);
+  REQUIRE(cudaMemcpy(moved.data(), single.pool().view(0).k + single.host().row_of(s, 6) * 128, moved.size() * sizeof(T),
+                     cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(std::memcmp(moved.data(), &k[10 * 128], 128 * sizeof(T)) != 0);
+  require_device_ok();
 }

@@ -32,6 +32,7 @@
 #include "cellkv/gpu/kernels/tile_rows.cuh"
 #include "cellkv/gpu/kv_pool.hpp"
 #include "cellkv/gpu/launch/ops.cuh"
+#include "cellkv/gpu/launch/row_copies.cuh"
 #include "cellkv/gpu/launch/step.cuh"
 #include "cellkv/gpu/launch/table_attention.cuh"
 #include "cellkv/gpu/step_buffers.hpp"
@@ -291,13 +292,9 @@ class DeviceShard {
     else return range_sdpa<T>(a, bindings().ranges_of(buffer), bindings().read_len, stream);
   }
 
-  // Fork copies (the sequence layout's; none where forks share rows), in order, before this
-  // step's writes.
-  Status run_copies(::cuda::stream_ref stream) const {
-    for (const RowCopy& c : host_.pending_changes().copies)
-      if (const Status s = pool_.copy_rows(c, stream); !s.ok()) return s;
-    return {};
-  }
+  // The pending row copies (forks of the sequence layout, copy-on-write cells of the cell layout),
+  // in order, before the rotations and this step's writes (row_copies.cuh).
+  Status run_copies(::cuda::stream_ref stream) { return copier_.run(pool_, host_.pending_changes().copies, stream); }
 
   // The K re-rotations of moved cells, every layer, in batches through a device list allocated by
   // the first upload that has any (the host list is pageable: each copy is staged before it returns).
@@ -421,6 +418,7 @@ class DeviceShard {
   KVPool<L, T> pool_;
   StepBuffers buffers_;
   DeviceBuffer<bool> masks_;
+  RowCopier copier_;
   KeyRotation<T> rotation_;
   DeviceBuffer<RowRotation> rotation_list_;  // kBatch entries once a rotation ran
   std::optional<TableKernels> table_;
