@@ -7,7 +7,8 @@
 // exact (float) K and V: relative L2 error ||o - o_exact|| / ||o_exact|| per output row (one query
 // token and head, D values), max and mean over the rows. Storages: bf16 (round to nearest even),
 // fp8 with per-row scales (amax / 448 per row-head, the default) and fp8 with one static scale per
-// tensor (amax / 448 of all of K, and of all of V: what a caller's calibration at best gives).
+// tensor (amax / 448 of all of K, and of all of V: what a caller's calibration at best gives);
+// and, to show where the error comes from, fp8 per-row for K alone and for V alone.
 // Quantization is cellkv's (fp8.hpp, reference::write); the attention is reference::attend in
 // double for every storage, so the numbers are the format's error, not a kernel's.
 //
@@ -74,6 +75,18 @@ std::vector<double> attend_fp8(std::span<const double> q, const std::vector<floa
   return out;
 }
 
+// x quantized row-head by row-head with per-row scales and read back in double (fp8.hpp): K or V
+// alone in fp8, to see which of the two the error comes from.
+std::vector<double> fp8_round_trip(const std::vector<float>& x) {
+  std::vector<double> out(x.size());
+  std::vector<Fp8E4M3> q(kD);
+  for (std::size_t at = 0; at < x.size(); at += kD) {
+    const float scale = quantize_row_head(x.data() + at, kD, 0.0f, q.data());
+    dequantize_row_head(q.data(), kD, scale, out.data() + at);
+  }
+  return out;
+}
+
 struct Error {
   double max = 0, mean = 0;
 };
@@ -117,16 +130,23 @@ int main() {
       const std::vector<float> k = draw(kv_n, outliers, rng), v = draw(kv_n, outliers, rng);
       const std::vector<double> q = widen(draw(static_cast<std::size_t>(kQueries) * kHeadsQ * kD, false, rng),
                                          [](float x) { return x; });
-      const std::vector<double> exact = attend_double(q, widen(k, [](float x) { return x; }), widen(v, [](float x) { return x; }), rows);
       const std::vector<double> bf16 = attend_double(q, widen(k, to_bf16), widen(v, to_bf16), rows);
       const std::vector<double> fp8_row = attend_fp8(q, k, v, rows, {});
       const Fp8Config tensor_scale{Fp8Scaling::static_per_layer, {{amax_of(k) / 448.0f, amax_of(v) / 448.0f}}};
       const std::vector<double> fp8_static = attend_fp8(q, k, v, rows, tensor_scale);
+      const std::vector<double> k_exact = widen(k, [](float x) { return x; }), v_exact = widen(v, [](float x) { return x; });
+      const std::vector<double> exact = attend_double(q, k_exact, v_exact, rows);
+      const std::vector<double> fp8_k_only = attend_double(q, fp8_round_trip(k), v_exact, rows);
+      const std::vector<double> fp8_v_only = attend_double(q, k_exact, fp8_round_trip(v), rows);
       const char* data = outliers ? "N(0,1), 1% x 30" : "N(0,1)";
       const struct {
         const char* name;
         const std::vector<double>* out;
-      } storages[] = {{"bf16", &bf16}, {"fp8 e4m3, per-row scales", &fp8_row}, {"fp8 e4m3, one static scale per tensor", &fp8_static}};
+      } storages[] = {{"bf16", &bf16},
+                      {"fp8 e4m3, per-row scales", &fp8_row},
+                      {"fp8 e4m3, per-row scales, K only (V exact)", &fp8_k_only},
+                      {"fp8 e4m3, per-row scales, V only (K exact)", &fp8_v_only},
+                      {"fp8 e4m3, one static scale per tensor", &fp8_static}};
       for (const auto& s : storages) {
         const Error e = relative_l2(*s.out, exact);
         std::printf("| %s | %lld | %s | %.2e | %.2e |\n", data, static_cast<long long>(rows), s.name, e.max, e.mean);
