@@ -17,6 +17,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cellkv/host_device.hpp"
@@ -30,7 +31,8 @@ struct Fp8E4M3 {
   std::uint8_t code;
   friend constexpr bool operator==(Fp8E4M3, Fp8E4M3) = default;
 };
-static_assert(sizeof(Fp8E4M3) == 1 && alignof(Fp8E4M3) == 1);
+static_assert(sizeof(Fp8E4M3) == 1 && alignof(Fp8E4M3) == 1 && std::is_trivial_v<Fp8E4M3> &&
+              std::is_trivially_copyable_v<Fp8E4M3>);
 
 inline constexpr float kFp8E4M3Max = 448.0f;         // the largest finite magnitude
 inline constexpr std::uint8_t kFp8E4M3MaxCode = 0x7E;  // +448; 0xFE is -448

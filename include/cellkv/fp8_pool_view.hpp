@@ -53,7 +53,7 @@ struct Fp8PoolView {
     return of_v ? static_scales.v : static_scales.k;
   }
   // The same view, read-only.
-  constexpr Fp8PoolView<const Fp8E4M3> read_only() const noexcept {
+  CELLKV_HOST_DEVICE constexpr Fp8PoolView<const Fp8E4M3> read_only() const noexcept {
     return {k, v, k_scale, v_scale, rows, heads_kv, head_dim, scaling, static_scales};
   }
 };
