@@ -1,8 +1,10 @@
 // cellkv/footprint.hpp - the device memory a device cache of one configuration allocates on each
 // device it spans (one shard), known before anything is allocated (docs/design.md section 5).
 //
-//   kv_pools        2 x layers x (rows + 1) x H_kv x D x element bytes   K and V of every layer,
-//                   rows = max_cells (cell layout) or max_seqs x max_len (sequence layout), + scratch row
+//   kv_pools        2 x layers x (rows + 1) x H_kv x (D x element bytes + scale bytes)
+//                   K and V of every layer, rows = max_cells (cell layout) or max_seqs x max_len
+//                   (sequence layout), + scratch row; scale bytes: the fp32 scale of each row-head
+//                   of an fp8 pool (4), 0 for bf16 / fp16 / fp32 pools (docs/design.md section 5)
 //   step_block      StepBlockLayout(step_block_shape(...)).bytes          (step_block.hpp; with the
 //                   shared-prefix part when the cache shares prefixes)
 //   position_table  4 x PositionTable::flat_size(max_seqs, max_cells)    cell layout
@@ -48,7 +50,26 @@ struct DeviceParts {
   std::size_t element_bytes = 0;  // bytes of one K or V element
   bool masks = false;             // the dense masks (cell layout)
   bool shared_prefixes = false;   // the step block's shared-prefix part (cell layout)
+  std::size_t scale_bytes = 0;    // bytes of the scale beside each row-head of K and of V (fp8: 4)
 };
+
+// How a pool stores K and V, and what that costs per element and per row-head.
+enum class KvStorage : std::uint8_t { bf16, fp16, fp32, fp8_e4m3 };
+
+struct StorageBytes {
+  std::size_t element = 0;  // one K or V element
+  std::size_t scale = 0;    // the scale of one row-head of K or V (fp8: fp32, fp8.hpp)
+};
+
+constexpr StorageBytes storage_bytes(KvStorage s) noexcept {
+  switch (s) {
+    case KvStorage::bf16:
+    case KvStorage::fp16: return {2, 0};
+    case KvStorage::fp32: return {4, 0};
+    case KvStorage::fp8_e4m3: return {1, 4};
+  }
+  return {};
+}
 
 namespace detail {
 // The product of the factors, or nothing when it overflows size_t.
@@ -71,6 +92,21 @@ inline std::optional<std::size_t> size_sum(std::initializer_list<std::size_t> te
 }
 }  // namespace detail
 
+// The pool bytes one cell (one row) takes, over K and V of every layer of `shape`, scales included:
+// 2 x layers x H_kv x (D x element + scale). What a cache's kv_pools grow by per cell of capacity.
+// Refuses a non-positive layer, head or head-dim count (bad_shape) and a size that overflows
+// (size_overflow).
+inline Result<std::size_t> pool_bytes_per_cell(const PoolShape& shape, KvStorage storage) noexcept {
+  if (shape.layers < 1 || shape.heads_kv < 1 || shape.head_dim < 1) return Errc::bad_shape;
+  const StorageBytes b = storage_bytes(storage);
+  const auto size = [](std::int32_t n) { return static_cast<std::size_t>(n); };
+  const std::optional<std::size_t> head = detail::size_product({size(shape.head_dim), b.element});
+  if (!head || *head > std::numeric_limits<std::size_t>::max() - b.scale) return Errc::size_overflow;
+  const std::optional<std::size_t> cell = detail::size_product({2, size(shape.layers), size(shape.heads_kv), *head + b.scale});
+  if (!cell) return Errc::size_overflow;
+  return *cell;
+}
+
 // The device bytes a shard of `shape` (its own heads) of a device cache planned by `Host` (a
 // KVCache) allocates for `config`, with the parts `parts` says it builds. Refuses what
 // Host::validate refuses, a non-positive layer, head or head-dim count (bad_shape), an element
@@ -89,8 +125,11 @@ Result<Footprint> device_footprint(const CacheConfig& config, const PoolShape& s
   const std::int32_t seqs = normal.max_seqs;
   const auto rows = static_cast<std::size_t>(L::rows(normal));
   const auto size = [](std::int64_t n) { return static_cast<std::size_t>(n); };
-  const std::optional<std::size_t> kv = detail::size_product(
-      {2, size(shape.layers), rows + 1, size(shape.heads_kv), size(shape.head_dim), parts.element_bytes});
+  const std::optional<std::size_t> head = detail::size_product({size(shape.head_dim), parts.element_bytes});
+  const std::optional<std::size_t> kv =
+      head && *head <= std::numeric_limits<std::size_t>::max() - parts.scale_bytes
+          ? detail::size_product({2, size(shape.layers), rows + 1, size(shape.heads_kv), *head + parts.scale_bytes})
+          : std::nullopt;
   const std::optional<std::size_t> table =
       L::kPositionTable ? detail::size_product({sizeof(std::int32_t), size(PositionTable::flat_size(seqs, config.max_cells))})
              : std::optional<std::size_t>{0};

@@ -4,6 +4,11 @@
 // Shapes: q and out [T, H_q, D]; k and v [T, H_kv, D]; pools [rows, H_kv, D] (PoolView). Query
 // head h reads KV head h / g with g = H_q / H_kv. Accumulation in double for double inputs and in
 // float otherwise. A query that sees nothing gets an output of zeros.
+//
+// fp8 pools (Fp8PoolView, fp8_pool_view.hpp): write quantizes each row-head with the function the
+// device write uses (quantize_row_head, fp8.hpp); attend dequantizes on read, in double
+// (decode(code) x scale, exact), and attends as the double path does, so it is the oracle of fp8
+// kernels. q and out are double there; K and V inputs are float (what a device write converts to).
 #pragma once
 
 #include <algorithm>
@@ -11,8 +16,11 @@
 #include <cstdint>
 #include <span>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
+#include "cellkv/fp8.hpp"
+#include "cellkv/fp8_pool_view.hpp"
 #include "cellkv/pool_view.hpp"
 #include "cellkv/status.hpp"
 
@@ -71,6 +79,62 @@ void attend(std::span<const T> q, PoolView<const T> pool, std::span<T> out, std:
   }
 }
 
+// fp8: quantizes k[t] and v[t] into pool row rows[t], every row-head with its scale
+// (quantize_row_head with pool.write_scale). Refuses (bad_argument), writing nothing, a
+// static_per_layer view whose scales are not valid_static_scale.
+inline Status write(Fp8PoolView<Fp8E4M3> pool, std::span<const float> k, std::span<const float> v,
+                    std::span<const std::int64_t> rows) {
+  if (pool.scaling == Fp8Scaling::static_per_layer &&
+      (!valid_static_scale(pool.static_scales.k) || !valid_static_scale(pool.static_scales.v)))
+    return Errc::bad_argument;
+  const std::int64_t n = pool.row_elems();
+  for (std::size_t t = 0; t < rows.size(); ++t)
+    for (std::int32_t h = 0; h < pool.heads_kv; ++h) {
+      const auto src = static_cast<std::size_t>(static_cast<std::int64_t>(t) * n + static_cast<std::int64_t>(h) * pool.head_dim);
+      const std::int64_t at = pool.offset(rows[t], h), s = pool.scale_offset(rows[t], h);
+      pool.k_scale[s] = quantize_row_head(k.data() + src, pool.head_dim, pool.write_scale(false), pool.k + at);
+      pool.v_scale[s] = quantize_row_head(v.data() + src, pool.head_dim, pool.write_scale(true), pool.v + at);
+    }
+  return {};
+}
+
+// fp8: rows [0, kv_len) of K and V dequantized into double (decode(code) x scale), then the double
+// path's attend over them. A row-head that holds NaN codes gives NaN to the queries that see it.
+template <class Visible>
+void attend(std::span<const double> q, Fp8PoolView<const Fp8E4M3> pool, std::span<double> out,
+            std::int32_t heads_q, std::int64_t kv_len, float scale, Visible&& visible) {
+  const auto n = static_cast<std::size_t>(kv_len * pool.row_elems());
+  std::vector<double> k(n), v(n);
+  for (std::int64_t r = 0; r < kv_len; ++r)
+    for (std::int32_t h = 0; h < pool.heads_kv; ++h) {
+      const std::int64_t at = pool.offset(r, h), s = pool.scale_offset(r, h);
+      dequantize_row_head(pool.k + at, pool.head_dim, pool.k_scale[s], k.data() + at);
+      dequantize_row_head(pool.v + at, pool.head_dim, pool.v_scale[s], v.data() + at);
+    }
+  const PoolView<const double> read{k.data(), v.data(), kv_len, pool.heads_kv, pool.head_dim};
+  attend<double>(q, read, out, heads_q, kv_len, scale, std::forward<Visible>(visible));
+}
+
+namespace detail {
+// The refusals update_and_attend shares between element pools and fp8 pools (see below).
+template <class Cache>
+Status check_update(const Cache& cache, std::int32_t window, std::int64_t rows, std::int32_t heads_kv,
+                    std::int32_t head_dim, std::int32_t heads_q, std::size_t q_size, std::size_t k_size,
+                    std::size_t v_size, std::size_t out_size) {
+  if (const Status s = cache.require_step(); !s.ok()) return s;
+  if (window < 0) return Errc::bad_argument;
+  if (heads_kv <= 0 || heads_q <= 0 || heads_q % heads_kv != 0) return Errc::bad_head_ratio;
+  if (head_dim < 1) return Errc::bad_shape;
+  const auto plan = cache.step();
+  const auto T_tokens = static_cast<std::size_t>(plan.tokens);
+  const auto q_elems = T_tokens * static_cast<std::size_t>(heads_q) * static_cast<std::size_t>(head_dim);
+  const auto kv_elems = T_tokens * static_cast<std::size_t>(heads_kv) * static_cast<std::size_t>(head_dim);
+  if (q_size != q_elems || out_size != q_elems || k_size != kv_elems || v_size != kv_elems || plan.read_len > rows)
+    return Errc::bad_shape;
+  return {};
+}
+}  // namespace detail
+
 // Write then attend for a layer of window `window` of the cache's placed step (either layout).
 // Refuses, writing nothing: no step placed (no_step_declared); a negative window (bad_argument);
 // H_q not a positive multiple of H_kv (bad_head_ratio); head_dim < 1, or shapes
@@ -79,21 +143,33 @@ template <class Cache, class T>
 Status update_and_attend(const Cache& cache, std::int32_t window, PoolView<T> pool, std::span<const T> q,
                          std::span<const T> k, std::span<const T> v, std::span<T> out, std::int32_t heads_q,
                          float scale) {
-  if (const Status s = cache.require_step(); !s.ok()) return s;
-  if (window < 0) return Errc::bad_argument;
-  if (pool.heads_kv <= 0 || heads_q <= 0 || heads_q % pool.heads_kv != 0) return Errc::bad_head_ratio;
-  if (pool.head_dim < 1) return Errc::bad_shape;
+  if (const Status s = detail::check_update(cache, window, pool.rows, pool.heads_kv, pool.head_dim, heads_q, q.size(),
+                                            k.size(), v.size(), out.size());
+      !s.ok())
+    return s;
   const auto plan = cache.step();
-  const auto T_tokens = static_cast<std::size_t>(plan.tokens);
-  const auto q_elems = T_tokens * static_cast<std::size_t>(heads_q) * static_cast<std::size_t>(pool.head_dim);
-  const auto kv_elems = T_tokens * static_cast<std::size_t>(pool.row_elems());
-  if (q.size() != q_elems || out.size() != q_elems || k.size() != kv_elems || v.size() != kv_elems ||
-      plan.read_len > pool.rows)
-    return Errc::bad_shape;
   write(pool, k, v, plan.rows);
   const PoolView<const T> read{pool.k, pool.v, pool.rows, pool.heads_kv, pool.head_dim};
   attend<T>(q, read, out, heads_q, plan.read_len, scale,
             [&](std::int32_t t, std::int64_t row) { return cache.visible(t, row, window).value_or(false); });
+  return {};
+}
+
+// fp8: update_and_attend on an fp8 pool: the write quantizes (write above), the attend dequantizes
+// in double. Refuses as the element-pool overload does, and a static_per_layer view whose scales are
+// not valid_static_scale (bad_argument), writing nothing.
+template <class Cache>
+Status update_and_attend(const Cache& cache, std::int32_t window, Fp8PoolView<Fp8E4M3> pool, std::span<const double> q,
+                         std::span<const float> k, std::span<const float> v, std::span<double> out,
+                         std::int32_t heads_q, float scale) {
+  if (const Status s = detail::check_update(cache, window, pool.rows, pool.heads_kv, pool.head_dim, heads_q, q.size(),
+                                            k.size(), v.size(), out.size());
+      !s.ok())
+    return s;
+  const auto plan = cache.step();
+  if (const Status s = write(pool, k, v, plan.rows); !s.ok()) return s;
+  attend(q, pool.read_only(), out, heads_q, plan.read_len, scale,
+         [&](std::int32_t t, std::int64_t row) { return cache.visible(t, row, window).value_or(false); });
   return {};
 }
 

@@ -1,6 +1,6 @@
 // device_footprint (footprint.hpp) against the sizes written out here from the documented layout
 // of a shard's device memory (docs/design.md section 5): K and V of every layer with one scratch
-// row, the step block part by part (its offsets as step_block.hpp lists them, with the element
+// row (and, for fp8, a scale per row-head), the step block part by part (its offsets as step_block.hpp lists them, with the element
 // sizes written as numbers, with and without the shared-prefix part), the position table's
 // directory and pages, and the dense masks. Also one configuration worked out by hand, and one
 // test per refusal.
@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 #include "cellkv/kv_cache.hpp"
 #include "cellkv/footprint.hpp"
@@ -33,8 +34,9 @@ Expected expected(bool cell, std::int32_t windows, std::int32_t seqs, const Cach
   const std::uint64_t w = static_cast<std::uint64_t>(c.max_write);
   const std::uint64_t rows = cell ? static_cast<std::uint64_t>(c.max_cells)
                                   : static_cast<std::uint64_t>(seqs) * static_cast<std::uint64_t>(c.max_len);
+  // K and V: each row-head holds head_dim elements and, for fp8, its scale.
   const std::uint64_t kv = 2 * static_cast<std::uint64_t>(s.layers) * (rows + 1) * static_cast<std::uint64_t>(s.heads_kv) *
-                           static_cast<std::uint64_t>(s.head_dim) * element_bytes;
+                           (static_cast<std::uint64_t>(s.head_dim) * element_bytes + parts.scale_bytes);
   // Step block: cells int64[w], read_len int64, tokens int32, num_segments int32, token_seq and
   // token_pos int32[w]; segments (4 int32 each) from a 16-byte boundary; per window, 16-byte
   // aligned: counts int32[2], decode_seg int32[w], decode_prefix int32[w + 1], then from a 16-byte
@@ -105,11 +107,11 @@ TEST_CASE("footprint: one cell-layout configuration worked out by hand") {
         6960 + 32768);
 }
 
-TEST_CASE("footprint: both layouts, masks, defaulted max_seqs, GQA groups and element sizes against the formula") {
+TEST_CASE("footprint: both layouts, masks, defaulted max_seqs, GQA groups, element and scale sizes against the formula") {
   for (const bool masks : {false, true}) {
     for (const bool shared : {false, true}) {
-      for (const std::size_t bytes : {2u, 4u}) {
-        const DeviceParts parts{bytes, masks, shared};
+      for (const auto& [bytes, scale] : {std::pair<std::size_t, std::size_t>{2, 0}, {4, 0}, {1, 4}}) {
+        const DeviceParts parts{bytes, masks, shared, scale};
         check_against_formula<CellHost>({.max_write = 7, .max_cells = 100}, kShape, parts);
         check_against_formula<CellHost>({.max_write = 1, .max_cells = 1, .max_seqs = 3}, kShape, parts);
         check_against_formula<CellHost>({.max_write = 3000, .max_cells = 65537, .max_seqs = 0},
@@ -169,4 +171,37 @@ TEST_CASE("footprint refuses a step block whose prefill items pass int32") {
             .status() == Errc::size_overflow);
   CHECK(step_block_shape<CellHost>({.max_write = 1 << 20, .max_cells = 1 << 20}, wide_group, true).status() ==
         Errc::size_overflow);
+}
+
+TEST_CASE("footprint: pool bytes per cell of every storage, fp8 with its scales") {
+  // 2 (K, V) x 3 layers x 2 heads x (64 elements + scale).
+  CHECK(pool_bytes_per_cell(kShape, KvStorage::bf16).value() == 2 * 3 * 2 * 64 * 2);
+  CHECK(pool_bytes_per_cell(kShape, KvStorage::fp16).value() == 2 * 3 * 2 * 64 * 2);
+  CHECK(pool_bytes_per_cell(kShape, KvStorage::fp32).value() == 2 * 3 * 2 * 64 * 4);
+  CHECK(pool_bytes_per_cell(kShape, KvStorage::fp8_e4m3).value() == 2 * 3 * 2 * (64 + 4));
+  // A Llama-3-8B-like shape: 32 layers, 8 KV heads, D 128: 128 KiB per cell in bf16, 66 KiB in fp8.
+  const PoolShape llama{.layers = 32, .heads_kv = 8, .head_dim = 128, .heads_q = 32};
+  CHECK(pool_bytes_per_cell(llama, KvStorage::bf16).value() == 131072);
+  CHECK(pool_bytes_per_cell(llama, KvStorage::fp8_e4m3).value() == 67584);
+  // What device_footprint's kv_pools grows by per cell of capacity, for the same storage.
+  for (const KvStorage st : {KvStorage::bf16, KvStorage::fp16, KvStorage::fp32, KvStorage::fp8_e4m3}) {
+    const StorageBytes b = storage_bytes(st);
+    const DeviceParts parts{.element_bytes = b.element, .scale_bytes = b.scale};
+    const auto kv = [&](std::int32_t cells) {
+      return device_footprint<CellHost>({.max_write = 4, .max_cells = cells}, kShape, parts).value().kv_pools;
+    };
+    CHECK(kv(101) - kv(100) == pool_bytes_per_cell(kShape, st).value());
+  }
+}
+
+TEST_CASE("footprint: pool bytes per cell refuses a non-positive shape and sizes that overflow") {
+  for (const PoolShape bad : {PoolShape{0, 2, 64, 8}, PoolShape{3, 0, 64, 8}, PoolShape{3, 2, 0, 8}, PoolShape{3, 2, -64, 8}})
+    CHECK(pool_bytes_per_cell(bad, KvStorage::fp8_e4m3).status() == Errc::bad_shape);
+  constexpr std::int32_t kMax = std::numeric_limits<std::int32_t>::max();
+  const PoolShape huge{.layers = kMax, .heads_kv = kMax, .head_dim = kMax, .heads_q = kMax};
+  CHECK(pool_bytes_per_cell(huge, KvStorage::fp8_e4m3).status() == Errc::size_overflow);
+  // A scale size near 2^64 overflows the row-head's bytes in device_footprint.
+  CHECK(device_footprint<CellHost>({.max_write = 4, .max_cells = 64}, kShape,
+                                   {.element_bytes = 1, .scale_bytes = std::numeric_limits<std::size_t>::max() - 10})
+            .status() == Errc::size_overflow);
 }
