@@ -12,7 +12,9 @@
 //  - a session shifts the same batched (with forks sharing prompt cells that are copied on write,
 //    seeded sampling, overlap) as alone: every output equals a solo run's;
 //  - refusals: the sequence layout, keep outside [0, B - 2], a device cache with no key rotation,
-//    prompts past the budget, a shift whose copies on write do not fit (nothing changes).
+//    prompts past the budget, a shift whose copies on write do not fit (nothing changes);
+//  - a stop token packed (and shifted for) under overlap before it is resolved: the same tokens as
+//    without overlap, the sequence rewound to exactly [0, pos).
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -337,4 +339,40 @@ TEST_CASE("context shift: a shift whose copies on write do not fit is refused an
   CHECK(exec.sessions().context_shifts(b).value() >= 1);
   const auto out = exec.sessions().output(b).value();
   CHECK(out.size() == 30);
+}
+
+TEST_CASE("context shift: a stop token resolved after its session shifted for the token after it") {
+  // Prompt P = 9: generated token j goes in at position P + j until the first shift, which comes
+  // before token B - P = 15. With that token as the stop token, overlap packs (and shifts for) it
+  // before it is resolved; the table then discards what came after and rewinds. The tokens are
+  // those without overlap (which never shifts); the sequence still holds exactly [0, pos).
+  constexpr std::int32_t kP = 9, kJ = kBudget - kP;
+  std::vector<std::int32_t> prompt, free_run;
+  for (std::int32_t salt = 0; salt < 40 && prompt.empty(); ++salt) {
+    const auto p = prompt_of(kP, 100 + salt);
+    const auto out = solo(p, kJ + 4);
+    if (std::find(out.begin(), out.begin() + kJ, out[kJ]) == out.begin() + kJ) prompt = p, free_run = out;
+  }
+  REQUIRE(!prompt.empty());  // a prompt whose token kJ does not occur before it
+  const std::vector<std::int32_t> want(free_run.begin(), free_run.begin() + kJ + 1);
+  for (const bool overlap : {false, true}) {
+    CAPTURE(overlap);
+    Cells cache(kCacheConfig);
+    llama::HostLlama<Cells> model(kConfig, weights(), cache);
+    Exec exec(model, cache, kShift, {.overlap = overlap});
+    const SessionId id = exec.sessions().add(prompt, kJ + 4, {.stop_tokens = {free_run[kJ]}}).value();
+    REQUIRE(exec.run_until_idle().ok());
+    const auto out = exec.sessions().output(id).value();
+    CHECK(std::vector<std::int32_t>(out.begin(), out.end()) == want);
+    const std::int32_t seq = exec.sessions().sequence_of(id).value();
+    const std::int32_t n = exec.sessions().cached_tokens(id).value();
+    CHECK(cache.pos(seq).value() == n);
+    std::vector<std::int32_t> all(static_cast<std::size_t>(n));
+    std::iota(all.begin(), all.end(), 0);
+    CHECK(cache.held_positions(seq).value() == all);
+    const std::int32_t shifts = exec.sessions().context_shifts(id).value();
+    CHECK(shifts == (overlap ? 1 : 0));
+    CHECK(n == (overlap ? kBudget - (kBudget - kKeep) / 2 : kBudget));
+    CHECK(exec.stats().tokens_discarded == (overlap ? 1 : 0));
+  }
 }

@@ -67,7 +67,7 @@ struct ExecutorStats {
   std::int64_t tokens_fed = 0;        // tokens through the model (prompt and generated)
   std::int64_t tokens_generated = 0;  // tokens sampled and brought back
   std::int64_t tokens_discarded = 0;  // of those, sampled after their session's stop token
-  std::int64_t context_shifts = 0;    // sessions shifted (SessionLimits::context_shift)
+  std::int64_t context_shifts = 0;    // context shifts so far (SessionLimits::context_shift)
   // Host time, in seconds, of the parts of step():
   double plan_seconds = 0;     // packing (next_step), placement (declare_step), the forward's inputs
   double enqueue_seconds = 0;  // model.forward: staging, upload, launches (the whole forward on the host path)
@@ -102,11 +102,13 @@ class Executor {
   // Enqueues one step of at most max_tokens tokens (0: the limits' max_write) and brings back the
   // tokens of the step before it (with overlap; of this step without). Returns the step's width,
   // or 0 when no session had work and it only brought back the last step's tokens.
-  // Refuses with empty_step when no session has work and nothing is in flight; with the cache's
-  // refusal (out_of_cells, sequence_full: the status names the first session whose tokens do not
-  // fit) or the model's when placement or the forward fails: the step is then abandoned (rolled
-  // back) and nothing changes in the sessions but the tokens of earlier steps coming back (and the
-  // cells the step's packing gave waiting samples, which they keep).
+  // Refuses with empty_step when no session has work and nothing is in flight; with a context
+  // shift the cache cannot make (out_of_cells, from next_step: earlier sessions' shifts stay done);
+  // with the cache's refusal (out_of_cells, sequence_full: the status names the first session
+  // whose tokens do not fit) or the model's when placement or the forward fails: the step is then
+  // abandoned (rolled back) and nothing changes in the sessions but the tokens of earlier steps
+  // coming back (and the cells the step's packing gave waiting samples, which they keep, and the
+  // context shifts of its packing, which stay).
   SessionResult<std::int32_t> step(std::int32_t max_tokens = 0) {
     const auto t0 = Clock::now();
     auto batch = table_.next_step(max_tokens);

@@ -40,7 +40,9 @@
 // device cache's key rotation on the GPU), and copies on write the cells it shares with another
 // sequence (a clone's or a sample's prompt cells), so no other session changes. A shift depends
 // only on the session's position count, never on token values or on the other sessions of a
-// batch: it is the same under overlap, and a session run alone shifts at the same tokens. Clones
+// batch: it is the same under overlap, and a session run alone shifts at the same tokens (one
+// difference changes no token: under overlap, a stop token packed before it is resolved may have
+// had its session shifted for it; the shift stays, the token is rewound as usual). Clones
 // and waiting samples share only a shifted source's first min(keep, prompt.size() - 1) positions
 // (the others no longer hold the prompt). A shift stays done when the step is abandoned or refused
 // later. The cell layout only: the sequence layout cannot move rows (validate refuses).
@@ -95,6 +97,7 @@
 #include "cellkv/batching/session_status.hpp"
 #include "cellkv/batching/slices.hpp"
 #include "cellkv/layout.hpp"
+#include "cellkv/position_table_view.hpp"
 #include "cellkv/status.hpp"
 
 namespace cellkv::batching {
@@ -422,7 +425,8 @@ class SessionTable {
   // Refuses, before step 1's shifts change anything: an open batch, width outside [0, max_write],
   // or a token to feed that is on its way from an accepted step older than the last (resolve that
   // step first) (bad_argument); then a shift the cache cannot make (out_of_cells: the copies on
-  // write of shared cells do not fit; any refusal of the cache's seq_rm), before that session's
+  // write of shared cells do not fit; out_of_pages: the position table's free pages may not
+  // suffice; any refusal of the cache's seq_rm), before that session's
   // shift changes anything (earlier sessions' shifts stay done); no session with work (empty_step;
   // never after a sample got its cells). Does not call cache.declare_step.
   Result<StepBatch> next_step(std::int32_t width = 0) {
@@ -832,10 +836,9 @@ class SessionTable {
   }
 
   // The context shift of s (see "Context shift" above): pos = cached(s), n_discard = (pos - keep) / 2
-  // (>= 1: validate keeps keep <= budget - 2). Refuses, changing nothing, out_of_cells when the
-  // cells s shares in the moved range need more fresh cells than are free once the dropped ones are
-  // released (checked where the cache reports its cells), or the cache's refusal of seq_rm. The
-  // seq_add after it cannot be refused then (a logic_error if it is).
+  // (>= 1: validate keeps keep <= budget - 2). Refuses, changing nothing, what room_for_shift
+  // refuses (out_of_pages, out_of_cells) or the cache's refusal of seq_rm. The seq_add after it
+  // cannot be refused then (a logic_error if it is).
   Status shift(Session& s) {
     if constexpr (ShiftableCache<Cache>) {
       const std::int32_t pos = cached(s), keep = limits_.context_shift.keep, n_discard = (pos - keep) / 2;
@@ -852,10 +855,16 @@ class SessionTable {
     }
   }
   // Whether the cache has the fresh cells seq_add needs after seq_rm(seq, keep, moved) released the
-  // cells only seq held: one per cell in [moved, pos) that seq shares (copy on write). A cache
-  // that does not report its cells is trusted.
+  // cells only seq held: one per cell in [moved, pos) that seq shares (copy on write); and, where
+  // the cache reports its position table, free pages for a private copy of every page of [keep,
+  // pos) and a split for each verb (an upper bound: out_of_pages may refuse a shift that would
+  // have fit). A cache that does not report its cells is trusted.
   [[nodiscard]] Status room_for_shift(std::int32_t seq, std::int32_t keep, std::int32_t moved, std::int32_t pos) const {
     const auto& q = detail::queries_of(*cache_);
+    if constexpr (requires { q.table().free_pages(); }) {
+      const std::int32_t pages = (pos - 1) / kPagePositions - keep / kPagePositions + 1 + 2;
+      if (pages > q.table().free_pages()) return Errc::out_of_pages;
+    }
     if constexpr (requires { q.cell_of(seq, pos); q.cell_owners(seq).count(); q.free_cells(); }) {
       std::int64_t available = q.free_cells(), fresh = 0;
       for (std::int32_t p = keep; p < pos; ++p) {
