@@ -376,3 +376,37 @@ TEST_CASE("context shift: a stop token resolved after its session shifted for th
     CHECK(exec.stats().tokens_discarded == (overlap ? 1 : 0));
   }
 }
+
+TEST_CASE("context shift: samples waiting for a leader that shifted share only its kept positions") {
+  // A prompt of the whole budget: the leader feeds it in one step; in the next it shifts for its
+  // first generated token before its samples take their cells, so they share its first kKeep
+  // positions only and feed the rest of the prompt themselves.
+  Cells cache(kCacheConfig);
+  llama::HostLlama<Cells> model(kConfig, weights(), cache);
+  Exec exec(model, cache, kShift);
+  const auto prompt = prompt_of(kBudget, 9);
+  const SamplingParams sampling{.temperature = 0.9f, .seed = 50};
+  const std::vector<SessionId> ids = exec.sessions().add_samples(prompt, 30, sampling, 3).value();
+  REQUIRE(exec.step().ok());
+  REQUIRE(exec.step().ok());
+  REQUIRE(exec.sessions().context_shifts(ids[0]).value() == 1);
+  const std::int32_t lead = exec.sessions().sequence_of(ids[0]).value();
+  for (const std::size_t i : {std::size_t{1}, std::size_t{2}}) {
+    CAPTURE(i);
+    CHECK(exec.sessions().leader_of(ids[i]).value() == 0);
+    const std::int32_t seq = exec.sessions().sequence_of(ids[i]).value();
+    for (std::int32_t p = 0; p < std::min(cache.pos(seq).value(), cache.pos(lead).value()); ++p) {
+      CAPTURE(p);
+      CHECK((cache.row_of(seq, p) == cache.row_of(lead, p)) == (p < kKeep));
+    }
+  }
+  REQUIRE(exec.run_until_idle().ok());
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    CAPTURE(i);
+    SamplingParams own = sampling;
+    own.seed += i;
+    const auto out = exec.sessions().output(ids[i]).value();
+    CHECK(std::vector<std::int32_t>(out.begin(), out.end()) == solo(prompt, 30, own));
+    check_session(exec, cache, ids[i]);
+  }
+}

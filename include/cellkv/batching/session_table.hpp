@@ -273,9 +273,8 @@ class SessionTable {
   // context shift prompt.size() > max_tokens_per_session); a session the cache can never hold,
   // prompt.size() + max_new_tokens - 1 tokens (with a context shift at most max_tokens_per_session)
   // past max_len (sequence layout) or the capacity (cell layout) (bad_argument, exceeds_sequence /
-  // exceeds_cache); no free
-  // cache sequence (no_free_sequence, too_many_sessions; any other refusal of cache.seq_new is
-  // passed on).
+  // exceeds_cache); no free cache sequence (no_free_sequence, too_many_sessions; any other refusal
+  // of cache.seq_new is passed on).
   SessionResult<SessionId> add(std::span<const std::int32_t> prompt, std::int32_t max_new_tokens,
                                SamplingParams sampling = {}) {
     if (const SessionStatus s = check_new(prompt, max_new_tokens, sampling); !s.ok()) return s;
