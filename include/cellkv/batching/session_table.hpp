@@ -245,7 +245,8 @@ class SessionTable {
   // context shift, in this order: bad_argument unless 0 <= keep <= max_tokens_per_session - 2 (a
   // shift must drop at least one position) and the cache has seq_rm(id, p0, p1) and seq_add;
   // unsupported_by_layout on the sequence layout (its slots cannot move rows: it refuses seq_add);
-  // no_key_rotation for a device cache whose key rotation is not set (set_key_rotation).
+  // no_key_rotation for a device cache (or a sharded cache with a shard) whose key rotation is not
+  // set (set_key_rotation).
   [[nodiscard]] static Status validate(const SessionLimits& l, const Cache& cache) {
     if (l.max_write < 1 || l.min_prefill_tokens < 1 || l.max_tokens_per_session < 1 || l.vocab < 0)
       return Errc::bad_argument;
@@ -257,8 +258,12 @@ class SessionTable {
       return Errc::bad_argument;
     } else {
       if constexpr (requires { detail::queries_of(cache).max_len(); }) return Errc::unsupported_by_layout;
-      if constexpr (requires { cache.key_rotation_set(); })
+      if constexpr (requires { cache.key_rotation_set(); }) {
         if (!cache.key_rotation_set()) return Errc::no_key_rotation;
+      } else if constexpr (requires { cache.shard(0).key_rotation_set(); cache.shards(); }) {  // every shard's
+        for (std::int32_t g = 0; g < cache.shards(); ++g)
+          if (!cache.shard(g).key_rotation_set()) return Errc::no_key_rotation;
+      }
       return {};
     }
   }
