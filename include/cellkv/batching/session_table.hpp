@@ -448,11 +448,12 @@ class SessionTable {
       append(batch, entries, s, std::span<const std::int32_t>(&s.output.back(), 1), false, true);
       --room;
     }
-    for (const Entry& e : entries) {
-      Session& s = *locate(e.id);
-      if (needs_shift(s))
-        if (const Status st = shift(s); !st.ok()) return st.code();
-    }
+    if (limits_.context_shift.enabled)
+      for (const Entry& e : entries) {
+        Session& s = *locate(e.id);
+        if (needs_shift(s))
+          if (const Status st = shift(s); !st.ok()) return st.code();
+      }
     adopt_waiting_samples();  // a sample that gets its cells feeds now: no refusal below
     bool fed_prompt = false;  // the step holds a prompt token
     for (const Session& s : sessions_) {
