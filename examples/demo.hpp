@@ -4,7 +4,10 @@
 // and its own seed, the others are greedy), a live progress line, a summary with a picture of the
 // cell map at its fullest, and a solo re-run of a sample of sessions that must produce the same
 // tokens as in the batch (exit 1 otherwise): a seeded session draws the same tokens whoever it is
-// batched with.
+// batched with. Context shift: every long_every-th request generates long_max_new tokens, past the
+// per-session budget of positions; when its sequence fills the budget the executor keeps the first
+// `keep` positions, drops the oldest half of the rest (K of the moved cells re-rotated) and
+// generates on. A solo re-run of a shifting session shifts at the same tokens.
 #pragma once
 
 #include <cellkv/batching/executor.hpp>
@@ -26,13 +29,17 @@ struct Settings {
   std::int32_t concurrency = 12;  // live sessions at most
   std::int32_t min_prompt = 8, max_prompt = 96;
   std::int32_t max_new = 24;
+  std::int32_t long_every = 5;     // requests i with i % long_every == 2 generate long_max_new tokens
+  std::int32_t long_max_new = 160;  // past the budget of positions: these sessions shift, some twice
   std::int32_t fork_every = 6;  // every n-th session forks an earlier one
   std::int32_t solo_checks = 6;
-  cellkv::batching::SessionLimits limits{.max_write = 64, .min_prefill_tokens = 2, .max_tokens_per_session = 256};
+  cellkv::batching::SessionLimits limits{.max_write = 64, .min_prefill_tokens = 2, .max_tokens_per_session = 128,
+                                         .context_shift = {.enabled = true, .keep = 16}};
 };
 
 struct Request {
   std::vector<std::int32_t> prompt;
+  std::int32_t max_new = 0;
   std::int32_t fork_of = -1;  // index of the request whose session it forks, or -1
   cellkv::batching::SamplingParams sampling;  // greedy, or seeded sampling
 };
@@ -48,6 +55,7 @@ inline std::vector<Request> make_requests(const Settings& s, std::int32_t vocab)
     const std::int32_t len = s.min_prompt + next() % (s.max_prompt - s.min_prompt + 1);
     for (std::int32_t t = 0; t < len; ++t) r.prompt.push_back(next() % vocab);
     if (i % 3 == 1) r.sampling = {.temperature = 0.8f, .top_p = 0.9f, .seed = 1000 + static_cast<std::uint64_t>(i)};
+    r.max_new = i % s.long_every == 2 ? s.long_max_new : s.max_new;
     out.push_back(std::move(r));
   }
   return out;
@@ -87,7 +95,21 @@ void progress(const Exec& exec, std::size_t done, std::size_t total, std::chrono
 
 struct Outcome {
   std::vector<std::vector<std::int32_t>> tokens;  // generated tokens per request
+  std::vector<std::int32_t> shifts;               // context shifts per request
 };
+
+// What one session alone produced: its tokens and its context shifts.
+struct Solo {
+  std::vector<std::int32_t> tokens;
+  std::int32_t shifts = 0;
+};
+
+// Whether a request's session outgrows its budget and shifts.
+inline bool shifts(const Request& r, const std::vector<Request>& requests, const Settings& s) {
+  const auto& prompt = r.fork_of >= 0 ? requests[static_cast<std::size_t>(r.fork_of)].prompt : r.prompt;
+  return s.limits.context_shift.enabled &&
+         static_cast<std::int32_t>(prompt.size()) + r.max_new - 1 > s.limits.max_tokens_per_session;
+}
 
 // Serves every request through one executor; prints progress and a summary.
 template <class Exec, class Host, class Extra>
@@ -95,6 +117,7 @@ Outcome serve(Exec& exec, const Host& host, const std::vector<Request>& requests
   using cellkv::batching::SessionId;
   Outcome out;
   out.tokens.resize(requests.size());
+  out.shifts.resize(requests.size(), 0);
   std::vector<SessionId> id_of(requests.size(), 0);
   std::vector<bool> finished(requests.size(), false);
   std::size_t next = 0, done = 0;
@@ -108,8 +131,8 @@ Outcome serve(Exec& exec, const Host& host, const std::vector<Request>& requests
                         exec.sessions().is_live(id_of[static_cast<std::size_t>(r.fork_of)]);
       // A fork whose source already left runs as a fresh session with the source's prompt.
       const auto& prompt = r.fork_of >= 0 ? requests[static_cast<std::size_t>(r.fork_of)].prompt : r.prompt;
-      const auto id = fork ? exec.sessions().clone(id_of[static_cast<std::size_t>(r.fork_of)], s.max_new, r.sampling)
-                           : exec.sessions().add(prompt, s.max_new, r.sampling);
+      const auto id = fork ? exec.sessions().clone(id_of[static_cast<std::size_t>(r.fork_of)], r.max_new, r.sampling)
+                           : exec.sessions().add(prompt, r.max_new, r.sampling);
       if (!id.ok()) break;
       id_of[next++] = id.value();
     }
@@ -128,6 +151,7 @@ Outcome serve(Exec& exec, const Host& host, const std::vector<Request>& requests
       if (!state.ok() || state.value() != cellkv::batching::SessionState::done) continue;
       const auto toks = exec.sessions().output(id_of[i]).value();
       out.tokens[i].assign(toks.begin(), toks.end());
+      out.shifts[i] = exec.sessions().context_shifts(id_of[i]).value();
       (void)exec.sessions().finish(id_of[i]);
       finished[i] = true;
       ++done;
@@ -142,38 +166,54 @@ Outcome serve(Exec& exec, const Host& host, const std::vector<Request>& requests
               static_cast<long long>(st.tokens_fed), secs, static_cast<double>(st.tokens_generated) / secs);
   std::printf("  cells in use at the fullest: %lld of %lld; now %lld\n", static_cast<long long>(fullest),
               static_cast<long long>(host.capacity()), static_cast<long long>(host.capacity() - host.free_cells()));
+  if (s.limits.context_shift.enabled) {
+    const auto shifted = std::count_if(out.shifts.begin(), out.shifts.end(), [](std::int32_t n) { return n > 0; });
+    std::printf("  context shift (budget %d positions, keep %d): %lld shifts in %lld sessions (the long ones generate %d tokens)\n",
+                s.limits.max_tokens_per_session, s.limits.context_shift.keep, static_cast<long long>(st.context_shifts),
+                static_cast<long long>(shifted), s.long_max_new);
+  }
   extra();
   std::printf("  cell map at the fullest (first cells; letter = sequence, * = shared by a fork, . = free):\n%s", picture.c_str());
   return out;
 }
 
-// The tokens one session generates when it runs alone through `exec` (a fresh executor).
+// The tokens (and context shifts) of one session run alone through `exec` (a fresh executor).
 template <class Exec>
-std::vector<std::int32_t> generate_alone(Exec& exec, const std::vector<std::int32_t>& prompt, std::int32_t max_new,
-                                         const cellkv::batching::SamplingParams& sampling = {}) {
+Solo generate_alone(Exec& exec, const std::vector<std::int32_t>& prompt, std::int32_t max_new,
+                    const cellkv::batching::SamplingParams& sampling = {}) {
   const auto id = exec.sessions().add(prompt, max_new, sampling);
   if (!id.ok() || !exec.run_until_idle().ok()) return {};
   const auto toks = exec.sessions().output(id.value()).value();
-  return {toks.begin(), toks.end()};
+  return {{toks.begin(), toks.end()}, exec.sessions().context_shifts(id.value()).value()};
 }
 
-// Re-runs a sample of requests one at a time (solo) and compares with the batched tokens; a fork
-// runs solo as a fresh session with its source's prompt. Returns the number of mismatches.
+// Re-runs a sample of requests one at a time (solo) and compares with the batched tokens and
+// context shifts; a fork runs solo as a fresh session with its source's prompt. The sample holds a
+// fork, a sampled session, the first session that shifts, the first fork that shifts, and a spread.
+// Returns the number of mismatches.
 template <class RunSolo>
 int check_solo(const std::vector<Request>& requests, const Outcome& batched, const Settings& s, RunSolo&& run_solo) {
   int mismatches = 0;
   std::printf("\nsolo re-runs (each session alone in a fresh cache):\n");
   const auto n = static_cast<std::int32_t>(requests.size());
+  auto first_shifting = [&](bool fork) {
+    for (std::int32_t i = 0; i < n; ++i)
+      if (shifts(requests[static_cast<std::size_t>(i)], requests, s) && (requests[static_cast<std::size_t>(i)].fork_of >= 0) == fork)
+        return i;
+    return (5 * n) / 7;
+  };
   for (std::int32_t k = 0; k < s.solo_checks; ++k) {
-    const std::int32_t i = k == 0 ? s.fork_every : k == 1 ? 1 : (k * 7 + 1) % n;  // a fork, a sampled one, a spread
+    const std::int32_t i = k == 0 ? s.fork_every : k == 1 ? 1 : k == 2 ? first_shifting(false) : k == 3 ? first_shifting(true)
+                                                                                                       : (k * 7 + 1) % n;
     const Request& r = requests[static_cast<std::size_t>(i)];
     const std::vector<std::int32_t>& prompt = r.fork_of >= 0 ? requests[static_cast<std::size_t>(r.fork_of)].prompt : r.prompt;
-    const std::vector<std::int32_t> solo = run_solo(prompt, r.sampling);
-    const bool same = solo == batched.tokens[static_cast<std::size_t>(i)];
+    const Solo solo = run_solo(prompt, r.max_new, r.sampling);
+    const bool same = solo.tokens == batched.tokens[static_cast<std::size_t>(i)] &&
+                      solo.shifts == batched.shifts[static_cast<std::size_t>(i)];
     mismatches += same ? 0 : 1;
-    std::printf("  session %2d%s %s prompt %3zu tokens: %s\n", i, r.fork_of >= 0 ? " (fork)" : "       ",
-                r.sampling.temperature > 0.f ? "sampled" : "greedy ", prompt.size(),
-                same ? "same tokens as in the batch" : "MISMATCH");
+    std::printf("  session %2d%s %s prompt %3zu tokens, %3d generated, %d context shifts: %s\n", i,
+                r.fork_of >= 0 ? " (fork)" : "       ", r.sampling.temperature > 0.f ? "sampled" : "greedy ", prompt.size(),
+                r.max_new, solo.shifts, same ? "same tokens and shifts as in the batch" : "MISMATCH");
   }
   return mismatches;
 }

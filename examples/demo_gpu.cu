@@ -26,6 +26,9 @@ int run_gpu() {
   s.concurrency = 24;
   s.max_prompt = 200;
   s.max_new = 32;
+  s.long_max_new = 320;  // past the budget of 256 positions: these sessions shift, some twice
+  s.limits.max_tokens_per_session = 256;
+  s.limits.context_shift.keep = 32;
   const cellkv::CacheConfig cache_config{.max_write = s.limits.max_write, .max_cells = 16384, .max_seqs = 64};
   const cellkv::gpu::PoolShape shape{.layers = config.layers, .heads_kv = config.heads_kv, .head_dim = config.head_dim,
                                      .heads_q = config.heads_q};
@@ -44,12 +47,12 @@ int run_gpu() {
     std::printf("  CUDA graphs: %lld captures, %lld replays, %lld eager steps\n", static_cast<long long>(g.captures),
                 static_cast<long long>(g.replays), static_cast<long long>(g.eager));
   });
-  const int mismatches = check_solo(requests, out, s, [&](const std::vector<std::int32_t>& prompt,
+  const int mismatches = check_solo(requests, out, s, [&](const std::vector<std::int32_t>& prompt, std::int32_t max_new,
                                                           const cellkv::batching::SamplingParams& sampling) {
     Cache solo_cache(cache_config, shape);
     llama::GpuLlama<Cache> solo_model(config, weights, solo_cache, stream.get());
     cellkv::batching::Executor solo(solo_model, solo_cache, s.limits);
-    return generate_alone(solo, prompt, s.max_new, sampling);
+    return generate_alone(solo, prompt, max_new, sampling);
   });
   std::printf("%s\n", mismatches == 0 ? "OK: every solo re-run matched the batch" : "FAILED: solo re-runs differ");
   return mismatches == 0 ? 0 : 1;

@@ -27,12 +27,12 @@ inline int run_host() {
   cellkv::batching::Executor exec(model, cache, s.limits);
   const auto requests = make_requests(s, config.vocab);
   const Outcome out = serve(exec, cache, requests, s, [] {});
-  const int mismatches = check_solo(requests, out, s, [&](const std::vector<std::int32_t>& prompt,
+  const int mismatches = check_solo(requests, out, s, [&](const std::vector<std::int32_t>& prompt, std::int32_t max_new,
                                                           const cellkv::batching::SamplingParams& sampling) {
     Cache solo_cache(cache_config);
     llama::HostLlama<Cache> solo_model(config, weights, solo_cache);
     cellkv::batching::Executor solo(solo_model, solo_cache, s.limits);
-    return generate_alone(solo, prompt, s.max_new, sampling);
+    return generate_alone(solo, prompt, max_new, sampling);
   });
   std::printf("%s\n", mismatches == 0 ? "OK: every solo re-run matched the batch" : "FAILED: solo re-runs differ");
   return mismatches == 0 ? 0 : 1;

@@ -3,6 +3,8 @@
 // y = x W.
 #pragma once
 
+#include <cellkv/rope.hpp>
+
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -86,6 +88,13 @@ inline Weights generate(const Config& c) {
 // RoPE angle of pair i (elements 2i, 2i + 1) of a head at position pos.
 inline float rope_angle(const Config& c, std::int32_t pos, std::int32_t i) {
   return static_cast<float>(pos) * std::pow(c.rope_theta, -2.f * static_cast<float>(i) / static_cast<float>(c.head_dim));
+}
+
+// The same RoPE described for cellkv's key re-rotation (rope.hpp): interleaved pairs over the
+// whole head, theta = rope_theta, no scaling. The host path passes it to HostPool::sync, the GPU
+// models to their device cache's KeyRotation.
+inline cellkv::RopeSpec rope_spec(const Config& c) {
+  return {.theta = static_cast<double>(c.rope_theta), .rotary_dims = c.head_dim, .pairs = cellkv::RopePairs::interleaved};
 }
 
 }  // namespace llama

@@ -7,11 +7,14 @@
 
 #include <cellkv/batching/model.hpp>
 #include <cellkv/gpu/device_cache.cuh>
+#include <cellkv/gpu/key_rotation.cuh>
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <span>
+#include <stdexcept>
+#include <string>
 
 #include "config.hpp"
 #include "gpu_rank.cuh"
@@ -21,10 +24,17 @@ namespace llama {
 template <class Cache>
 class GpuLlama {
  public:
-  // Uploads the weights; throws on a CUDA or cuBLAS failure. The cache's pool must match the
-  // config (layers, H_kv, D) and its max_write bounds the step width.
+  // Uploads the weights and sets the cache's key rotation to the model's RoPE (rope_spec), so that
+  // seq_add / seq_div (the executor's context shift) re-rotate K as the model computes it; throws
+  // on a CUDA or cuBLAS failure, std::invalid_argument when the cache refuses the rotation. The
+  // cache's pool must match the config (layers, H_kv, D) and its max_write bounds the step width.
   GpuLlama(const Config& c, const Weights& w, Cache& cache, cudaStream_t stream, GpuOptions options = {})
-      : c_(c), cache_(cache), rank_(c, w, cache, 0, cache.host().max_write(), stream, nullptr, options) {}
+      : c_(c), cache_(cache), rank_(c, w, cache, 0, cache.host().max_write(), stream, nullptr, options) {
+    using Rotation = cellkv::gpu::KeyRotation<typename Cache::Element>;
+    if (const cellkv::Status s = cache.set_key_rotation(Rotation::rope(rope_spec(c))); !s.ok())
+      throw std::invalid_argument("llama::GpuLlama: the cache refused the model's key rotation (" +
+                                  std::string(s.message()) + ")");
+  }
 
   [[nodiscard]] std::int32_t vocab() const { return c_.vocab; }
   [[nodiscard]] std::int32_t min_prefill_tokens() const { return 2; }

@@ -5,6 +5,8 @@
 //
 // Per layer: h = rmsnorm(x); q, k, v = h Wq, h Wk, h Wv; RoPE(q, k); x += attend(q, k, v) Wo;
 // h = rmsnorm(x); x += (silu(h W1) * h W3) W2. Logits: rmsnorm(x) W_lm for the rows asked for.
+// Before each forward the host pools apply the cache's pending changes, re-rotating the K rows a
+// seq_add / seq_div (the executor's context shift) moved by the model's RoPE (rope_spec).
 #pragma once
 
 #include <cellkv/batching/model.hpp>
@@ -101,11 +103,13 @@ class HostLlama {
 
   // The logits of the sampled rows of the last forward, row by row (tests).
   [[nodiscard]] std::span<const float> last_logits() const { return logits_; }
+  // The K and V pools (tests: the rows as the last forward left them).
+  [[nodiscard]] cellkv::HostPool<float>& pool() { return pool_; }
 
  private:
   // The forward over tokens_ (ids checked) at step.positions; logits of step.logit_rows.
   cellkv::Status run(const cellkv::batching::ForwardStep& step, std::span<float> logits) {
-    pool_.sync(cache_);  // fork copies of the sequence layout
+    pool_.sync(cache_, rope_spec(c_));  // fork and copy-on-write copies, then K moved by a shift re-rotated
     const auto T = tokens_.size();
     const auto dim = static_cast<std::size_t>(c_.dim);
     std::vector<float> x(T * dim), h(T * dim), q(T * static_cast<std::size_t>(c_.q_width())),

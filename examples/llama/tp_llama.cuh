@@ -41,7 +41,8 @@ class TpLlama {
   // Splits the weights over the cache's shards and uploads each slice to its device. reduce must
   // span cache.shards() ranks (NcclReduce over the cache's devices, or DeviceSumReduce when they
   // are all one GPU). Throws std::invalid_argument when the model does not split over the shards,
-  // std::runtime_error on a CUDA, cuBLAS or NCCL failure.
+  // std::runtime_error on a CUDA, cuBLAS or NCCL failure. Sets the cache's key rotation to the
+  // model's RoPE (rope_spec), as GpuLlama does.
   TpLlama(const Config& c, const Weights& w, Sharded& cache, AllReduce<T>& reduce, GpuOptions options = {})
       : c_(c), cache_(cache), threads_(devices_of(cache)), ranks_(static_cast<std::size_t>(cache.shards())),
         streams_(static_cast<std::size_t>(cache.shards())) {
@@ -62,6 +63,12 @@ class TpLlama {
           built.code() == cellkv::Errc::bad_argument)
         throw std::invalid_argument(what);
       throw std::runtime_error(what);
+    }
+    // The model's RoPE for the K rows seq_add / seq_div move (the executor's context shift).
+    if (const cellkv::Status s = cache.set_key_rotation(cellkv::gpu::KeyRotation<T>::rope(rope_spec(c))); !s.ok()) {
+      release();
+      throw std::invalid_argument("llama::TpLlama: the cache refused the model's key rotation (" +
+                                  std::string(s.message()) + ")");
     }
   }
   TpLlama(const TpLlama&) = delete;

@@ -1,9 +1,10 @@
 // cellkv/host_pool.hpp - every layer's K and V pool in host memory: the host reference path's
 // counterpart of gpu::KVPool. K and V are each [rows, H_kv, D] per layer.
 //
-// Before a step's forward, sync(cache) runs the sequence layout's fork copies reported since the
-// last sync (cache.pending_changes().copies) and acknowledges the cache's changes, as the device
-// cache's upload does.
+// Before a step's forward, sync(cache) runs the copies reported since the last sync
+// (cache.pending_changes().copies: the sequence layout's forks, the cell layout's copies on write)
+// and acknowledges the cache's changes, as the device cache's upload does; sync(cache, rope) also
+// re-rotates the K rows seq_add / seq_div moved (pending_changes().rotations) by the model's RoPE.
 #pragma once
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "cellkv/pool_view.hpp"
+#include "cellkv/rope.hpp"
 #include "cellkv/step_plan.hpp"
 
 namespace cellkv {
@@ -47,10 +49,21 @@ class HostPool {
 
   // Applies what the cache changed since the last sync (fork and copy-on-write copies), then
   // acknowledges it. K re-rotations after seq_add / seq_div (pending_changes().rotations) are not
-  // applied here: the host pool holds no RoPE parameters; they are acknowledged with the rest.
+  // applied here (the host pool holds no RoPE parameters): they are acknowledged with the rest, so
+  // use this overload only for a model whose keys need none (or a cache that moved no cell).
   template <class Cache>
   void sync(Cache& cache) {
     for (const RowCopy& c : cache.pending_changes().copies) copy_rows(c);
+    cache.acknowledge_changes();
+  }
+  // The same, then the K rows of every layer named by pending_changes().rotations re-rotated from
+  // old_pos to new_pos by `rope` (rerotate_keys; the spec passed check_rope for head_dim()), as a
+  // device cache's upload does with its KeyRotation.
+  template <class Cache>
+  void sync(Cache& cache, const RopeSpec& rope) {
+    const PendingChanges changes = cache.pending_changes();
+    for (const RowCopy& c : changes.copies) copy_rows(c);
+    for (std::int32_t l = 0; l < layers(); ++l) rerotate_keys(view(l), changes.rotations, rope);
     cache.acknowledge_changes();
   }
 

@@ -8,11 +8,16 @@
 // (add_samples) share the leader's prompt cells and each equals a solo run with its own seed. The
 // model computes in fp32 (storage and GEMMs), so a session alone and in a batch agree up to fp32
 // rounding: the comparison is in fp32, as bf16 rounding of different batch shapes could flip a
-// near-tie.
+// near-tie. Context shift: sessions (and a fork sharing prompt cells) that outgrow their budget
+// shift, their K re-rotated on the device by the key rotation the model set, and generate the
+// same tokens as on the host reference path, without overlap and alone; a device cache without a
+// key rotation, and the sequence layout, refuse the option.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
+#include <stdexcept>
 #include <vector>
 
 #include "cellkv/batching/executor.hpp"
@@ -60,8 +65,8 @@ struct Rig {
   C cache{kCacheConfig, kShape};
   llama::GpuLlama<C> model;
   Executor<llama::GpuLlama<C>, C> exec;
-  explicit Rig(llama::GpuOptions options = {}, ExecutorOptions exec_options = {})
-      : model(kConfig, weights(), cache, stream.get(), options), exec(model, cache, kLimits, exec_options) {}
+  explicit Rig(llama::GpuOptions options = {}, ExecutorOptions exec_options = {}, const SessionLimits& limits = kLimits)
+      : model(kConfig, weights(), cache, stream.get(), options), exec(model, cache, limits, exec_options) {}
   std::vector<std::int32_t> output(SessionId id) const {
     const auto out = exec.sessions().output(id).value();
     return {out.begin(), out.end()};
@@ -229,5 +234,63 @@ TEST_CASE("gpu executor: n samples of a prompt equal each sample run alone with 
     CHECK(rig.output(ids[i]) == solo<Cells>(prompt_of(50, 3), 16, own));
   }
   CHECK(rig.model.graph_stats().replays > 0);
+  cellkv::test::require_device_ok();
+}
+
+namespace {
+
+const SessionLimits kShiftLimits{.max_write = 24, .min_prefill_tokens = 2, .max_tokens_per_session = 40,
+                                 .context_shift = {.enabled = true, .keep = 6}};
+const std::int32_t kShiftLengths[] = {5, 19, 33};
+
+// Three sessions and a fork of the third (sharing its prompt cells past `keep`), each generating
+// far past the budget of 40 positions; returns their tokens.
+template <class Exec>
+std::vector<std::vector<std::int32_t>> run_shifting(Exec& exec) {
+  std::vector<SessionId> ids;
+  for (std::int32_t i = 0; i < 3; ++i)
+    ids.push_back(exec.sessions().add(prompt_of(kShiftLengths[i], 20 + i), 70, kSessionSampling[i]).value());
+  for (int s = 0; s < 3; ++s) REQUIRE(exec.step().ok());
+  ids.push_back(exec.sessions().clone(ids[2], 60, kSessionSampling[3]).value());
+  REQUIRE(exec.run_until_idle().ok());
+  CHECK(exec.stats().context_shifts >= 8);
+  for (const SessionId id : ids) CHECK(exec.sessions().context_shifts(id).value() >= 1);
+  return outputs_of(exec, std::span<const SessionId>(ids));
+}
+
+}  // namespace
+
+TEST_CASE("gpu executor: context shift equals the host reference path, no overlap and solo runs") {
+  Rig<Cells> rig({}, {}, kShiftLimits);
+  const auto batched = run_shifting(rig.exec);
+  Rig<Cells> no_overlap({}, {.overlap = false}, kShiftLimits);
+  CHECK(run_shifting(no_overlap.exec) == batched);
+  HostCells host_cache(kCacheConfig);
+  llama::HostLlama<HostCells> host_model(kConfig, weights(), host_cache);
+  Executor host(host_model, host_cache, kShiftLimits);
+  CHECK(run_shifting(host) == batched);
+  for (std::int32_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    Rig<Cells> alone({}, {}, kShiftLimits);
+    const SessionId id = alone.exec.sessions().add(prompt_of(kShiftLengths[i], 20 + i), 70, kSessionSampling[i]).value();
+    REQUIRE(alone.exec.run_until_idle().ok());
+    CHECK(alone.output(id) == batched[static_cast<std::size_t>(i)]);
+  }
+  CHECK(rig.model.graph_stats().replays > 0);
+  cellkv::test::require_device_ok();
+}
+
+TEST_CASE("gpu executor: context shift is refused without a key rotation and on the sequence layout") {
+  Cells bare(kCacheConfig, kShape);
+  CHECK(SessionTable<Cells>::validate(kShiftLimits, bare) == Errc::no_key_rotation);
+  CHECK(SessionTable<Cells>::validate(kLimits, bare).ok());
+  gpu::Stream stream;
+  llama::GpuLlama<Cells> model(kConfig, weights(), bare, stream.get());  // sets the model's RoPE
+  CHECK(bare.key_rotation_set());
+  CHECK(SessionTable<Cells>::validate(kShiftLimits, bare).ok());
+  Slots slots(kCacheConfig, kShape);
+  llama::GpuLlama<Slots> slot_model(kConfig, weights(), slots, stream.get());
+  CHECK(SessionTable<Slots>::validate(kShiftLimits, slots) == Errc::unsupported_by_layout);
+  CHECK_THROWS_AS(Executor(slot_model, slots, kShiftLimits), std::invalid_argument);
   cellkv::test::require_device_ok();
 }

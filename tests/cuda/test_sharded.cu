@@ -1,12 +1,15 @@
 // The sharded cache and the tensor-parallel model on one GPU: G shards share device 0 (separate
 // pools, step buffers and streams, one host thread per rank) and a plain device sum stands in
 // for NCCL's all-reduce, which refuses two ranks on one device. tests/cuda/nccl runs the same
-// checks with one shard per GPU over NCCL. Also: every refusal of ShardedCache changes nothing.
+// checks with one shard per GPU over NCCL. Also: every refusal of ShardedCache changes nothing;
+// the executor's context shift is refused until every shard has a key rotation.
 #include <doctest/doctest.h>
 
 #include <stdexcept>
 #include <vector>
 
+#include "cellkv/gpu/key_rotation.cuh"
+#include "cellkv/rope.hpp"
 #include "tp_checks.cuh"
 
 namespace {
@@ -122,4 +125,14 @@ TEST_CASE("sharded cache: a bad row in one shard's step block is reported once b
   const std::size_t landing = per_tensor + static_cast<std::size_t>(bad - kCacheConfig.max_cells - 1) * 64;
   for (std::size_t i = landing; i < landing + 64; ++i) CHECK(test::is_poison(all[i]));
   test::require_device_ok();
+}
+
+TEST_CASE("sharded cache: the executor's context shift is refused until the shards have a key rotation") {
+  using C = gpu::ShardedCache<layout::cell, float, Layers, placement::lowest_free, 16>;
+  C cache(kCacheConfig, kShape, std::vector<int>{0, 0});
+  const batching::SessionLimits limits{.max_write = kCacheConfig.max_write, .min_prefill_tokens = 2,
+                                       .max_tokens_per_session = 40, .context_shift = {.enabled = true, .keep = 4}};
+  CHECK(batching::SessionTable<C>::validate(limits, cache) == Errc::no_key_rotation);
+  REQUIRE(cache.set_key_rotation(gpu::KeyRotation<float>::rope(RopeSpec{.pairs = RopePairs::interleaved})).ok());
+  CHECK(batching::SessionTable<C>::validate(limits, cache).ok());
 }

@@ -22,6 +22,19 @@
 // (or run_until_idle(), or a step() with no work left) brings every token in. The host reference
 // path runs each forward at once; overlap changes nothing there but the order of the calls.
 //
+// Context shift (SessionLimits::context_shift; session_table.hpp, "Context shift"): a session
+// whose sequence reaches max_tokens_per_session positions keeps its first `keep`, drops the oldest
+// half of the rest and generates on, up to its max_new_tokens, instead of being refused at add:
+//
+//   Executor exec(model, cache, {.max_write = 64, .min_prefill_tokens = 2, .max_tokens_per_session = 512,
+//                                .context_shift = {.enabled = true, .keep = 32}});
+//
+// The table shifts a session when it packs the session's next token, between steps; positions do
+// not depend on token values, so the shift is the same with overlap on or off, batched or alone.
+// The model must re-rotate the moved K rows (HostPool::sync with the model's RopeSpec; a device
+// cache's set_key_rotation, without which the executor refuses the option with no_key_rotation).
+// Cell layout only (the sequence layout is refused with unsupported_by_layout).
+//
 // Sessions join and finish between steps; a finished session's sequence is freed by reap() or
 // finish(), and its cells are reused by later sessions. The executor is the same on the host
 // reference path and on the GPU: the model decides how a forward runs (and, on the GPU, whether it
@@ -54,6 +67,7 @@ struct ExecutorStats {
   std::int64_t tokens_fed = 0;        // tokens through the model (prompt and generated)
   std::int64_t tokens_generated = 0;  // tokens sampled and brought back
   std::int64_t tokens_discarded = 0;  // of those, sampled after their session's stop token
+  std::int64_t context_shifts = 0;    // context shifts so far (SessionLimits::context_shift)
   // Host time, in seconds, of the parts of step():
   double plan_seconds = 0;     // packing (next_step), placement (declare_step), the forward's inputs
   double enqueue_seconds = 0;  // model.forward: staging, upload, launches (the whole forward on the host path)
@@ -67,7 +81,9 @@ class Executor {
 
  public:
   // limits.vocab 0 takes the model's vocabulary. Throws std::invalid_argument when the session
-  // limits are invalid for the cache or name another vocabulary than the model's.
+  // limits are invalid for the cache (SessionTable::validate: a context shift on the sequence
+  // layout, or on a device cache without a key rotation, among them) or name another vocabulary
+  // than the model's.
   Executor(M& model, Cache& cache, const SessionLimits& limits, ExecutorOptions options = {})
       : model_(model), cache_(cache), table_(cache, with_vocab(limits, model.vocab())), options_(options) {}
   Executor(const Executor&) = delete;
@@ -86,14 +102,17 @@ class Executor {
   // Enqueues one step of at most max_tokens tokens (0: the limits' max_write) and brings back the
   // tokens of the step before it (with overlap; of this step without). Returns the step's width,
   // or 0 when no session had work and it only brought back the last step's tokens.
-  // Refuses with empty_step when no session has work and nothing is in flight; with the cache's
-  // refusal (out_of_cells, sequence_full: the status names the first session whose tokens do not
-  // fit) or the model's when placement or the forward fails: the step is then abandoned (rolled
-  // back) and nothing changes in the sessions but the tokens of earlier steps coming back (and the
-  // cells the step's packing gave waiting samples, which they keep).
+  // Refuses with empty_step when no session has work and nothing is in flight; with a context
+  // shift the cache cannot make (out_of_cells, from next_step: earlier sessions' shifts stay done);
+  // with the cache's refusal (out_of_cells, sequence_full: the status names the first session
+  // whose tokens do not fit) or the model's when placement or the forward fails: the step is then
+  // abandoned (rolled back) and nothing changes in the sessions but the tokens of earlier steps
+  // coming back (and the cells the step's packing gave waiting samples, which they keep, and the
+  // context shifts of its packing, which stay).
   SessionResult<std::int32_t> step(std::int32_t max_tokens = 0) {
     const auto t0 = Clock::now();
     auto batch = table_.next_step(max_tokens);
+    stats_.context_shifts = table_.context_shifts();  // shifts stay done when the step is refused
     if (!batch.ok()) {
       if (batch.status() != Errc::empty_step || unretired_ == 0) return SessionStatus(batch.status());
       const SessionStatus s = drain();

@@ -25,7 +25,27 @@
 //               sample waits for its prompt cells. It stays in the table, holding its sequence,
 //               until finish() or reap().
 // Between steps the cache sequence of a session holds exactly its prompt tokens fed so far, then its
-// generated tokens but the last: cached_tokens(id) == cache.pos(sequence_of(id)).
+// generated tokens but the last, less the positions context shifts dropped: cached_tokens(id) ==
+// cache.pos(sequence_of(id)).
+//
+// Context shift (SessionLimits::context_shift, off by default; docs/design.md section 4, "Context
+// shift"): a session's budget B = max_tokens_per_session then bounds its prompt and the positions
+// its sequence holds, not what it generates (max_new_tokens may pass B). When next_step packs a
+// generating session whose sequence holds B positions (its token would go in at position B), the
+// table first shifts it, by llama.cpp's rule: with pos = B and n_discard = (pos - keep) / 2,
+//   cache.seq_rm(seq, keep, keep + n_discard); cache.seq_add(seq, keep + n_discard, -1, -n_discard);
+// so the sequence keeps positions [0, keep), drops the oldest half of the rest, slides the newer
+// half down and holds pos - n_discard positions. The cache re-rotates the moved K rows before the
+// next attention (PendingChanges::rotations: HostPool::sync with a RopeSpec on the host path, the
+// device cache's key rotation on the GPU), and copies on write the cells it shares with another
+// sequence (a clone's or a sample's prompt cells), so no other session changes. A shift depends
+// only on the session's position count, never on token values or on the other sessions of a
+// batch: it is the same under overlap, and a session run alone shifts at the same tokens (one
+// difference changes no token: under overlap, a stop token packed before it is resolved may have
+// had its session shifted for it; the shift stays, the token is rewound as usual). Clones
+// and waiting samples share only a shifted source's first min(keep, prompt.size() - 1) positions
+// (the others no longer hold the prompt). A shift stays done when the step is abandoned or refused
+// later. The cell layout only: the sequence layout cannot move rows (validate refuses).
 //
 // Samples: add_samples(prompt, max_new_tokens, sampling, n) adds n sessions of one prompt, sample i
 // drawing with seed sampling.seed + i. The first, the leader, feeds the prompt as add's session
@@ -77,16 +97,28 @@
 #include "cellkv/batching/session_status.hpp"
 #include "cellkv/batching/slices.hpp"
 #include "cellkv/layout.hpp"
+#include "cellkv/position_table_view.hpp"
 #include "cellkv/status.hpp"
 
 namespace cellkv::batching {
 
-// Fixed at construction. max_tokens_per_session bounds prompt + max_new_tokens of every session.
+// Context shift (see "Context shift" above): a generating session whose sequence holds
+// max_tokens_per_session positions drops the oldest half of its positions after the first `keep`
+// before its next token goes in, and generates on.
+struct ContextShift {
+  bool enabled = false;
+  std::int32_t keep = 0;  // leading positions never dropped (llama.cpp's n_keep: a system prompt)
+  friend bool operator==(const ContextShift&, const ContextShift&) = default;
+};
+
+// Fixed at construction. max_tokens_per_session bounds prompt + max_new_tokens of every session;
+// with a context shift it bounds the prompt and the positions a session's sequence holds instead.
 struct SessionLimits {
   std::int32_t max_write = 0;               // widest step, in tokens; <= the cache's max_write
   std::int32_t min_prefill_tokens = 1;      // shortest prefill slice (plan_slices)
   std::int32_t max_tokens_per_session = 0;  // prompt + generated budget of one session
   std::int32_t vocab = 0;  // prompt and stop token ids must lie in [0, vocab); 0: no upper bound
+  ContextShift context_shift{};             // off by default
   friend bool operator==(const SessionLimits&, const SessionLimits&) = default;
 };
 
@@ -147,6 +179,13 @@ concept RewindableCache = SessionCache<C> && requires(C& c, std::int32_t s) {
   { c.rewind(s, s) } -> std::same_as<Status>;
 };
 
+// A cache whose sequences can drop a range of positions and slide the rest down (context shift).
+template <class C>
+concept ShiftableCache = SessionCache<C> && requires(C& c, std::int32_t s) {
+  { c.seq_rm(s, s, s) } -> std::same_as<Status>;
+  { c.seq_add(s, s, s, s) } -> std::same_as<Status>;
+};
+
 // Why `params` cannot sample from a vocabulary of `vocab` ids (0: no upper bound), or none.
 [[nodiscard]] inline SessionErrc check_sampling(const SamplingParams& p, std::int32_t vocab) noexcept {
   if (!(p.temperature >= 0.f) || !std::isfinite(p.temperature)) return SessionErrc::bad_temperature;
@@ -202,13 +241,31 @@ class SessionTable {
   }
 
   // bad_argument unless max_write >= 1, min_prefill_tokens >= 1, max_tokens_per_session >= 1,
-  // vocab >= 0 and (when the cache, or its host(), reports it) max_write <= max_write().
+  // vocab >= 0 and (when the cache, or its host(), reports it) max_write <= max_write(). With a
+  // context shift, in this order: bad_argument unless 0 <= keep <= max_tokens_per_session - 2 (a
+  // shift must drop at least one position) and the cache has seq_rm(id, p0, p1) and seq_add;
+  // unsupported_by_layout on the sequence layout (its slots cannot move rows: it refuses seq_add);
+  // no_key_rotation for a device cache (or a sharded cache with a shard) whose key rotation is not
+  // set (set_key_rotation).
   [[nodiscard]] static Status validate(const SessionLimits& l, const Cache& cache) {
     if (l.max_write < 1 || l.min_prefill_tokens < 1 || l.max_tokens_per_session < 1 || l.vocab < 0)
       return Errc::bad_argument;
     if constexpr (requires { detail::queries_of(cache).max_write(); })
       if (l.max_write > detail::queries_of(cache).max_write()) return Errc::bad_argument;
-    return {};
+    if (!l.context_shift.enabled) return {};
+    if (l.context_shift.keep < 0 || l.context_shift.keep > l.max_tokens_per_session - 2) return Errc::bad_argument;
+    if constexpr (!ShiftableCache<Cache>) {
+      return Errc::bad_argument;
+    } else {
+      if constexpr (requires { detail::queries_of(cache).max_len(); }) return Errc::unsupported_by_layout;
+      if constexpr (requires { cache.key_rotation_set(); }) {
+        if (!cache.key_rotation_set()) return Errc::no_key_rotation;
+      } else if constexpr (requires { cache.shard(0).key_rotation_set(); cache.shards(); }) {  // every shard's
+        for (std::int32_t g = 0; g < cache.shards(); ++g)
+          if (!cache.shard(g).key_rotation_set()) return Errc::no_key_rotation;
+      }
+      return {};
+    }
   }
 
   // ---- verbs (between steps) ----
@@ -217,11 +274,12 @@ class SessionTable {
   // says (greedy by default). Refuses, in this order: an empty prompt, max_new_tokens < 0 or an
   // open batch (bad_argument); a prompt token id outside [0, vocab) (bad_argument,
   // token_out_of_vocab); bad sampling parameters (bad_argument, check_sampling's detail);
-  // prompt.size() + max_new_tokens > max_tokens_per_session (bad_argument, over_budget); a session
-  // the cache can never hold, prompt.size() + max_new_tokens - 1 tokens past max_len (sequence
-  // layout) or the capacity (cell layout) (bad_argument, exceeds_sequence / exceeds_cache); no free
-  // cache sequence (no_free_sequence, too_many_sessions; any other refusal of cache.seq_new is
-  // passed on).
+  // prompt.size() + max_new_tokens > max_tokens_per_session (bad_argument, over_budget; with a
+  // context shift prompt.size() > max_tokens_per_session); a session the cache can never hold,
+  // prompt.size() + max_new_tokens - 1 tokens (with a context shift at most max_tokens_per_session)
+  // past max_len (sequence layout) or the capacity (cell layout) (bad_argument, exceeds_sequence /
+  // exceeds_cache); no free cache sequence (no_free_sequence, too_many_sessions; any other refusal
+  // of cache.seq_new is passed on).
   SessionResult<SessionId> add(std::span<const std::int32_t> prompt, std::int32_t max_new_tokens,
                                SamplingParams sampling = {}) {
     if (const SessionStatus s = check_new(prompt, max_new_tokens, sampling); !s.ok()) return s;
@@ -299,7 +357,7 @@ class SessionTable {
     if (const SessionErrc e = check_sampling(sampling, limits_.vocab); e != SessionErrc::none)
       return SessionStatus(Errc::bad_argument, e);
     if (const SessionStatus s = check_budget(from->prompt.size(), max_new_tokens); !s.ok()) return s;
-    const std::int32_t shared = std::min(from->fed, prompt_size(*from) - 1);
+    const std::int32_t shared = intact_prefix(*from, std::min(from->fed, prompt_size(*from) - 1));
     const std::int32_t src_seq = from->seq;
     Session s = make_session(from->prompt, max_new_tokens, shared, std::move(sampling));
     sessions_.reserve(sessions_.size() + 1);  // invalidates `from`; not used below
@@ -346,7 +404,8 @@ class SessionTable {
   // Packs one step of at most max_write tokens and opens it. `room` starts at max_write;
   //  1. one token of every generating session with tokens left to generate (fewer than
   //     max_new_tokens generated or on their way, no stop token), oldest first, while room > 0
-  //     (room -= 1 each); a token still on the device goes in as a DeferredToken;
+  //     (room -= 1 each); a token still on the device goes in as a DeferredToken; then each of
+  //     them whose sequence holds max_tokens_per_session positions is shifted (context shift);
   //  2. every sample waiting for a leader that has fed prompt.size() - 1 prompt tokens gets its
   //     cells: its reserved sequence is removed, then cache.seq_clone(leader's sequence,
   //     prompt.size() - 1) takes its place (abandon() does not undo this);
@@ -367,10 +426,13 @@ class SessionTable {
   // sessions (a sample's leader is older than it).
   // `width` (0: max_write) packs a narrower step, as if max_write were width: schedules of chosen
   // widths (tests, latency caps).
-  // Refuses, before step 2 changes anything: an open batch, width outside [0, max_write], or a
-  // token to feed that is on its way from an accepted step older than the last (resolve that step
-  // first) (bad_argument); no session with work (empty_step; never after a sample got its cells).
-  // Does not call cache.declare_step.
+  // Refuses, before step 1's shifts change anything: an open batch, width outside [0, max_write],
+  // or a token to feed that is on its way from an accepted step older than the last (resolve that
+  // step first) (bad_argument); then a shift the cache cannot make (out_of_cells: the copies on
+  // write of shared cells do not fit; out_of_pages: the position table's free pages may not
+  // suffice; any refusal of the cache's seq_rm), before that session's
+  // shift changes anything (earlier sessions' shifts stay done); no session with work (empty_step;
+  // never after a sample got its cells). Does not call cache.declare_step.
   Result<StepBatch> next_step(std::int32_t width = 0) {
     if (batch_open() || width < 0 || width > limits_.max_write) return Errc::bad_argument;
     StepBatch batch;
@@ -386,6 +448,12 @@ class SessionTable {
       append(batch, entries, s, std::span<const std::int32_t>(&s.output.back(), 1), false, true);
       --room;
     }
+    if (limits_.context_shift.enabled)
+      for (const Entry& e : entries) {
+        Session& s = *locate(e.id);
+        if (needs_shift(s))
+          if (const Status st = shift(s); !st.ok()) return st.code();
+      }
     adopt_waiting_samples();  // a sample that gets its cells feeds now: no refusal below
     bool fed_prompt = false;  // the step holds a prompt token
     for (const Session& s : sessions_) {
@@ -591,6 +659,13 @@ class SessionTable {
   [[nodiscard]] std::int32_t pending_samples() const noexcept {
     return pending_.empty() ? 0 : static_cast<std::int32_t>(pending_.front().samples.size());
   }
+  // Context shifts of one session so far, and of every session since the table was made.
+  [[nodiscard]] SessionResult<std::int32_t> context_shifts(SessionId id) const {
+    const Session* s = find(id);
+    if (s == nullptr) return unknown(id);
+    return s->shifts;
+  }
+  [[nodiscard]] std::int64_t context_shifts() const noexcept { return shifts_; }
   // Tokens sampled after their session's stop token and discarded, since the table was made.
   [[nodiscard]] std::int64_t discarded_tokens() const noexcept { return discarded_; }
   // The rewinds of the last resolve or discard_pending (done already on a RewindableCache).
@@ -613,7 +688,7 @@ class SessionTable {
   friend bool operator==(const SessionTable& a, const SessionTable& b) {
     return a.limits_ == b.limits_ && a.next_id_ == b.next_id_ && a.sessions_ == b.sessions_ &&
            a.open_batch_ == b.open_batch_ && a.pending_ == b.pending_ && a.accepted_steps_ == b.accepted_steps_ &&
-           a.discarded_ == b.discarded_;
+           a.discarded_ == b.discarded_ && a.shifts_ == b.shifts_;
   }
 
  private:
@@ -627,6 +702,8 @@ class SessionTable {
     std::vector<std::int32_t> output;  // generated; [resolved, size) are placeholders on their way
     std::vector<float> logprobs;       // parallel to output when sampling.logprobs
     std::int32_t resolved = 0;
+    std::int32_t dropped = 0;          // positions context shifts removed from the sequence
+    std::int32_t shifts = 0;           // context shifts so far
     bool stopped = false;              // output.back() is a stop token
     std::uint64_t source_step = 0;     // the accepted step that sampled output.back()
     std::int32_t source_row = 0;       // ... and its sampled row there
@@ -673,9 +750,19 @@ class SessionTable {
     if (s.fed < prompt_size(s)) return SessionState::feeding;
     return decodes(s) || on_its_way(s) || s.waiting > 0 ? SessionState::generating : SessionState::done;
   }
-  // The prompt fed so far, then the generated tokens but the last (never fed).
+  // The prompt fed so far, then the generated tokens but the last (never fed), less the positions
+  // context shifts dropped.
   [[nodiscard]] static std::int32_t cached(const Session& s) noexcept {
-    return s.fed + std::max(0, generated(s) - 1);
+    return s.fed + std::max(0, generated(s) - 1) - s.dropped;
+  }
+  // The leading positions of s's sequence that still hold its prompt's first tokens, of `upto`
+  // wanted: a shifted sequence keeps only its first `keep`.
+  [[nodiscard]] std::int32_t intact_prefix(const Session& s, std::int32_t upto) const noexcept {
+    return s.shifts > 0 ? std::min(upto, limits_.context_shift.keep) : upto;
+  }
+  // A generating session whose next token would pass its budget.
+  [[nodiscard]] bool needs_shift(const Session& s) const noexcept {
+    return limits_.context_shift.enabled && cached(s) >= limits_.max_tokens_per_session;
   }
   [[nodiscard]] static bool is_stop(const Session& s, std::int32_t token) noexcept {
     return std::find(s.sampling.stop_tokens.begin(), s.sampling.stop_tokens.end(), token) != s.sampling.stop_tokens.end();
@@ -709,13 +796,16 @@ class SessionTable {
       return SessionStatus(Errc::bad_argument, e);
     return check_budget(prompt.size(), max_new_tokens);
   }
-  // Budgets: past max_tokens_per_session, or more tokens than one sequence of the cache holds.
+  // Budgets: past max_tokens_per_session (the prompt alone with a context shift), or more tokens
+  // than one sequence of the cache holds (at most the budget with a context shift).
   [[nodiscard]] SessionStatus check_budget(std::size_t prompt_tokens, std::int32_t max_new_tokens) const {
     const auto budget = static_cast<std::size_t>(limits_.max_tokens_per_session);
-    if (prompt_tokens > budget || static_cast<std::size_t>(max_new_tokens) > budget - prompt_tokens)
+    const bool shifts = limits_.context_shift.enabled;
+    if (prompt_tokens > budget || (!shifts && static_cast<std::size_t>(max_new_tokens) > budget - prompt_tokens))
       return SessionStatus(Errc::bad_argument, SessionErrc::over_budget);
     const detail::SequenceRoom room = detail::sequence_room(*cache_);
-    const auto held = static_cast<std::int64_t>(prompt_tokens) + std::max(0, max_new_tokens - 1);
+    auto held = static_cast<std::int64_t>(prompt_tokens) + std::max(0, max_new_tokens - 1);
+    if (shifts) held = std::min<std::int64_t>(held, limits_.max_tokens_per_session);
     if (held > room.tokens) return SessionStatus(Errc::bad_argument, room.detail);
     return {};
   }
@@ -750,6 +840,50 @@ class SessionTable {
     if constexpr (RewindableCache<Cache>) (void)cache_->rewind(s.seq, after);
   }
 
+  // The context shift of s (see "Context shift" above): pos = cached(s), n_discard = (pos - keep) / 2
+  // (>= 1: validate keeps keep <= budget - 2). Refuses, changing nothing, what room_for_shift
+  // refuses (out_of_pages, out_of_cells) or the cache's refusal of seq_rm. The seq_add after it
+  // cannot be refused then (a logic_error if it is).
+  Status shift(Session& s) {
+    if constexpr (ShiftableCache<Cache>) {
+      const std::int32_t pos = cached(s), keep = limits_.context_shift.keep, n_discard = (pos - keep) / 2;
+      if (const Status st = room_for_shift(s.seq, keep, keep + n_discard, pos); !st.ok()) return st;
+      if (const Status st = cache_->seq_rm(s.seq, keep, keep + n_discard); !st.ok()) return st;
+      if (!cache_->seq_add(s.seq, keep + n_discard, -1, -n_discard).ok())
+        throw std::logic_error("cellkv::batching::SessionTable: the cache refused a context shift's seq_add");
+      s.dropped += n_discard;
+      ++s.shifts;
+      ++shifts_;
+      return {};
+    } else {
+      return Errc::bad_argument;  // unreachable: validate refuses a context shift on such a cache
+    }
+  }
+  // Whether the cache has the fresh cells seq_add needs after seq_rm(seq, keep, moved) released the
+  // cells only seq held: one per cell in [moved, pos) that seq shares (copy on write); and, where
+  // the cache reports its position table, free pages for a private copy of every page of [keep,
+  // pos) and a split for each verb (an upper bound: out_of_pages may refuse a shift that would
+  // have fit). A cache that does not report its cells is trusted.
+  [[nodiscard]] Status room_for_shift(std::int32_t seq, std::int32_t keep, std::int32_t moved, std::int32_t pos) const {
+    const auto& q = detail::queries_of(*cache_);
+    if constexpr (requires { q.table().free_pages(); }) {
+      const std::int32_t pages = (pos - 1) / kPagePositions - keep / kPagePositions + 1 + 2;
+      if (pages > q.table().free_pages()) return Errc::out_of_pages;
+    }
+    if constexpr (requires { q.cell_of(seq, pos); q.cell_owners(seq).count(); q.free_cells(); }) {
+      std::int64_t available = q.free_cells(), fresh = 0;
+      for (std::int32_t p = keep; p < pos; ++p) {
+        const std::int32_t c = q.cell_of(seq, p);
+        if (c < 0) continue;
+        const bool shared = q.cell_owners(c).count() > 1;
+        if (p < moved && !shared) ++available;
+        if (p >= moved && shared) ++fresh;
+      }
+      if (fresh > available) return Errc::out_of_cells;
+    }
+    return {};
+  }
+
   // A session without id or sequence yet, feeding the prompt after the shared prefix.
   [[nodiscard]] static Session make_session(std::vector<std::int32_t> prompt, std::int32_t max_new, std::int32_t shared,
                                             SamplingParams sampling) {
@@ -771,7 +905,7 @@ class SessionTable {
     for (Session& s : sessions_) {
       if (s.leader == 0) continue;
       Session& leader = *locate(s.leader);
-      const std::int32_t shared = prompt_size(leader) - 1;
+      const std::int32_t shared = intact_prefix(leader, prompt_size(leader) - 1);
       if (leader.fed < shared) continue;
       (void)cache_->seq_rm(s.seq);
       const Result<std::int32_t> seq = cache_->seq_clone(leader.seq, shared);
@@ -853,6 +987,7 @@ class SessionTable {
   std::vector<PendingStep> pending_;    // accepted steps whose tokens are on their way, oldest first
   std::uint64_t accepted_steps_ = 0;    // steps accepted so far (serial of the last one)
   std::int64_t discarded_ = 0;
+  std::int64_t shifts_ = 0;             // context shifts since the table was made
   std::vector<RewindPoint> rewinds_;    // of the last resolve or discard_pending
 };
 

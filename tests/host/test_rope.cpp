@@ -1,0 +1,158 @@
+// rope.hpp on the host: rerotate_keys moves a key computed at old_pos to new_pos, and equals the
+// key RoPE'd directly at new_pos by an independent float64 RoPE written from the definition
+// (pairs, frequencies, linear and NTK scaling), for half-split and interleaved pairs, partial
+// rotary dims (the other elements untouched), several heads and rows, in double and float pools;
+// V is never touched. check_rope refuses what it documents.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cellkv/rope.hpp"
+
+namespace {
+
+using namespace cellkv;
+
+// The pairs' element indices and frequencies from the definition, not from rope.hpp's helpers.
+struct Direct {
+  RopeSpec spec;
+  std::int32_t head_dim;
+
+  [[nodiscard]] std::int32_t r() const { return spec.rotary_dims == 0 ? head_dim : spec.rotary_dims; }
+  [[nodiscard]] double freq(std::int32_t i) const {
+    const double rd = r();
+    double base = spec.theta;
+    if (spec.scaling == RopeScaling::ntk) base *= std::pow(spec.factor, rd / (rd - 2.0));
+    double f = std::pow(base, -2.0 * i / rd);
+    if (spec.scaling == RopeScaling::linear) f /= spec.factor;
+    return f;
+  }
+  // One head RoPE'd at position p.
+  [[nodiscard]] std::vector<double> at(const std::vector<double>& x, std::int32_t p) const {
+    std::vector<double> y = x;
+    for (std::int32_t i = 0; i < r() / 2; ++i) {
+      const std::int32_t a = spec.pairs == RopePairs::interleaved ? 2 * i : i;
+      const std::int32_t b = spec.pairs == RopePairs::interleaved ? 2 * i + 1 : i + r() / 2;
+      const double t = p * freq(i);
+      y[static_cast<std::size_t>(a)] = x[static_cast<std::size_t>(a)] * std::cos(t) - x[static_cast<std::size_t>(b)] * std::sin(t);
+      y[static_cast<std::size_t>(b)] = x[static_cast<std::size_t>(a)] * std::sin(t) + x[static_cast<std::size_t>(b)] * std::cos(t);
+    }
+    return y;
+  }
+};
+
+double value(std::int32_t row, std::int32_t h, std::int32_t e) {
+  return std::sin(0.7 * row + 1.3 * h + 0.37 * e + 0.1) + 0.25 * std::cos(3.1 * e);
+}
+
+// rows x heads x head_dim pool; row c holds the raw key RoPE'd at old[c]; rerotate rows 1 and 3 to
+// new positions; each moved row equals the raw key RoPE'd at its new position, the others are
+// unchanged, V untouched. Tolerance relative to the row's largest element.
+template <class T>
+void check_rerotation(const RopeSpec& spec, std::int32_t head_dim, double tol) {
+  CAPTURE(static_cast<int>(spec.pairs));
+  CAPTURE(spec.rotary_dims);
+  CAPTURE(static_cast<int>(spec.scaling));
+  REQUIRE(check_rope(spec, head_dim).ok());
+  const Direct direct{spec, head_dim};
+  const std::int32_t rows = 4, heads = 3;
+  const std::int32_t old_pos[rows] = {5, 40, 7, 1000};
+  const std::vector<RowRotation> moves = {{1, 40, 12}, {3, 1000, 3}};
+  std::vector<T> k(static_cast<std::size_t>(rows * heads * head_dim)), v(k.size());
+  const PoolView<T> pool{k.data(), v.data(), rows, heads, head_dim};
+  for (std::int32_t c = 0; c < rows; ++c)
+    for (std::int32_t h = 0; h < heads; ++h) {
+      std::vector<double> x(static_cast<std::size_t>(head_dim));
+      for (std::int32_t e = 0; e < head_dim; ++e) x[static_cast<std::size_t>(e)] = value(c, h, e);
+      const std::vector<double> y = direct.at(x, old_pos[c]);
+      for (std::int32_t e = 0; e < head_dim; ++e) {
+        k[static_cast<std::size_t>(pool.offset(c, h) + e)] = static_cast<T>(y[static_cast<std::size_t>(e)]);
+        v[static_cast<std::size_t>(pool.offset(c, h) + e)] = static_cast<T>(x[static_cast<std::size_t>(e)]);
+      }
+    }
+  const std::vector<T> k_before = k, v_before = v;
+  rerotate_keys(pool, std::span<const RowRotation>(moves), spec);
+  CHECK(v == v_before);
+  for (std::int32_t c = 0; c < rows; ++c) {
+    std::int32_t pos = old_pos[c];
+    for (const RowRotation& m : moves)
+      if (m.cell == c) pos = m.new_pos;
+    for (std::int32_t h = 0; h < heads; ++h) {
+      std::vector<double> x(static_cast<std::size_t>(head_dim));
+      for (std::int32_t e = 0; e < head_dim; ++e) x[static_cast<std::size_t>(e)] = value(c, h, e);
+      const std::vector<double> want = direct.at(x, pos);
+      double scale = 0;
+      for (const double w : want) scale = std::max(scale, std::abs(w));
+      for (std::int32_t e = 0; e < head_dim; ++e) {
+        CAPTURE(c);
+        CAPTURE(h);
+        CAPTURE(e);
+        const auto i = static_cast<std::size_t>(pool.offset(c, h) + e);
+        CHECK(std::abs(static_cast<double>(k[i]) - want[static_cast<std::size_t>(e)]) <= tol * scale);
+        if (e >= direct.r()) CHECK(k[i] == k_before[i]);  // past the rotary dims: untouched
+        if (pos == old_pos[c]) CHECK(k[i] == k_before[i]);  // rows not moved: untouched
+      }
+    }
+  }
+}
+
+const RopeSpec kSpecs[] = {
+    {.theta = 10000.0},
+    {.theta = 10000.0, .pairs = RopePairs::interleaved},
+    {.theta = 500000.0, .rotary_dims = 8},
+    {.theta = 10000.0, .rotary_dims = 6, .pairs = RopePairs::interleaved},
+    {.theta = 10000.0, .scaling = RopeScaling::linear, .factor = 4.0},
+    {.theta = 10000.0, .rotary_dims = 12, .pairs = RopePairs::interleaved, .scaling = RopeScaling::linear, .factor = 2.5},
+    {.theta = 10000.0, .scaling = RopeScaling::ntk, .factor = 8.0},
+    {.theta = 1000000.0, .rotary_dims = 8, .scaling = RopeScaling::ntk, .factor = 2.0},
+};
+
+}  // namespace
+
+TEST_CASE("rope: rerotate_keys equals a direct float64 RoPE at the new position (double pools)") {
+  for (const RopeSpec& s : kSpecs) check_rerotation<double>(s, 16, 1e-12);
+}
+
+TEST_CASE("rope: rerotate_keys equals a direct float64 RoPE at the new position (float pools)") {
+  for (const RopeSpec& s : kSpecs) check_rerotation<float>(s, 16, 2e-6);
+}
+
+TEST_CASE("rope: moving back and forth restores the key; an empty list changes nothing") {
+  const RopeSpec spec{.theta = 10000.0, .pairs = RopePairs::interleaved};
+  std::vector<double> k(2 * 8), v(k.size(), 0.0);
+  for (std::size_t i = 0; i < k.size(); ++i) k[i] = value(static_cast<std::int32_t>(i), 0, 1);
+  const std::vector<double> before = k;
+  const PoolView<double> pool{k.data(), v.data(), 2, 1, 8};
+  rerotate_keys(pool, std::span<const RowRotation>(), spec);
+  CHECK(k == before);
+  const std::vector<RowRotation> there = {{0, 3, 77}, {1, 9, 2}}, back = {{0, 77, 3}, {1, 2, 9}};
+  rerotate_keys(pool, std::span<const RowRotation>(there), spec);
+  CHECK(k != before);
+  rerotate_keys(pool, std::span<const RowRotation>(back), spec);
+  for (std::size_t i = 0; i < k.size(); ++i) CHECK(k[i] == doctest::Approx(before[i]).epsilon(1e-12));
+}
+
+TEST_CASE("rope: check_rope refuses a bad theta, rotary dims, or scaling factor") {
+  const std::int32_t d = 16;
+  CHECK(check_rope({}, d).ok());
+  CHECK(check_rope({.rotary_dims = 2}, d).ok());
+  CHECK(check_rope({.rotary_dims = 16}, d).ok());
+  CHECK(check_rope({.scaling = RopeScaling::ntk, .factor = 1.0}, d).ok());
+  CHECK(check_rope({.theta = 1.0}, d) == Errc::bad_argument);
+  CHECK(check_rope({.theta = 0.5}, d) == Errc::bad_argument);
+  CHECK(check_rope({.theta = std::nan("")}, d) == Errc::bad_argument);
+  CHECK(check_rope({.theta = INFINITY}, d) == Errc::bad_argument);
+  CHECK(check_rope({.rotary_dims = 7}, d) == Errc::bad_argument);    // odd
+  CHECK(check_rope({.rotary_dims = 18}, d) == Errc::bad_argument);   // past the head
+  CHECK(check_rope({.rotary_dims = -2}, d) == Errc::bad_argument);
+  CHECK(check_rope({}, 1) == Errc::bad_argument);                    // a head of one element
+  CHECK(check_rope({}, 7) == Errc::bad_argument);                    // whole odd head
+  CHECK(check_rope({.scaling = RopeScaling::linear, .factor = 0.5}, d) == Errc::bad_argument);
+  CHECK(check_rope({.scaling = RopeScaling::linear, .factor = INFINITY}, d) == Errc::bad_argument);
+  CHECK(check_rope({.scaling = RopeScaling::ntk, .factor = std::nan("")}, d) == Errc::bad_argument);
+  CHECK(check_rope({.rotary_dims = 2, .scaling = RopeScaling::ntk, .factor = 2.0}, d) == Errc::bad_argument);
+  CHECK(check_rope({.rotary_dims = 2, .scaling = RopeScaling::linear, .factor = 2.0}, d).ok());
+  CHECK(check_rope({.factor = 0.0}, d).ok());  // the factor is ignored without scaling
+}
