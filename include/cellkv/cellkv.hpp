@@ -16,6 +16,7 @@
 #include "cellkv/prefix_sharing.hpp"
 #include "cellkv/pool_view.hpp"
 #include "cellkv/reference.hpp"
+#include "cellkv/rope.hpp"
 #include "cellkv/seq_set.hpp"
 #include "cellkv/sequence_state.hpp"
 #include "cellkv/sharding.hpp"
