@@ -108,8 +108,8 @@ struct CellSource {
     seq = cache.seq_new().value();
     const std::vector<std::int32_t> first{other, seq, seq, other, seq, seq, seq, other, seq, seq};
     run_step(cache, first, Inputs(static_cast<std::int32_t>(first.size()), rng), stream);
-    const std::vector<std::int32_t> second{seq, seq, seq, other, seq, seq, seq, seq, seq};
-    run_step(cache, second, Inputs(static_cast<std::int32_t>(second.size()), rng), stream);  // seq: 0..15
+    const std::vector<std::int32_t> second{seq, seq, seq, other, seq, seq, seq, seq, seq, seq};
+    run_step(cache, second, Inputs(static_cast<std::int32_t>(second.size()), rng), stream);  // seq: 7 + 9 tokens, 0..15
     REQUIRE(cache.seq_rm(seq, 4, 8).ok());
     REQUIRE(cache.host().held_positions(seq).value() ==
             std::vector<std::int32_t>{0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15});

@@ -32,8 +32,8 @@
 // step read before its cell was freed): the stream of the forwards, or one that waited on them.
 //
 // Refusals, each changing nothing (neither the host cache nor any pool):
-// - save: the host's (bad_sequence_id, sequence_not_live); bad_shape for a stream count other than
-//   the shard count (ShardedCache); rows_pending while the device does not yet hold the sequence's
+// - save: bad_shape for a stream count other than the shard count (ShardedCache), then the host's
+//   (bad_sequence_id, sequence_not_live); rows_pending while the device does not yet hold the sequence's
 //   rows: a declared step with tokens of it is not committed, or copies or K re-rotations of its
 //   rows (a copy-on-write seq_add, a fork of the sequence layout) wait for the next upload;
 //   device_error on a CUDA failure (gpu::last_cuda_failure() names it).
