@@ -154,6 +154,12 @@ TEST_CASE("device state: a cell sequence with holes restores into a fresh cache 
         CHECK(std::memcmp(parsed.row(l, kv, i).data(), row.data(), row.size() * 2) == 0);
       }
 
+  // Staged one layer at a time (the smallest budget): the same bytes, the same rows.
+  CHECK(gpu::save_sequence(src.cache, src.seq, kTag, src.stream, 1).value() == bytes);
+  CellLowest layered({.max_write = 8, .max_cells = 64}, kShape);
+  const std::int32_t by_layer = gpu::restore_sequence(layered, bytes, kTag, src.stream, 1).value();
+  CHECK(gpu::save_sequence(layered, by_layer, kTag, src.stream).value() == bytes);
+
   CellClustered dst({.max_write = 8, .max_cells = 200}, kShape);
   std::mt19937_64 rng(11);
   fill_noise(dst.pool(), rng);
@@ -277,6 +283,13 @@ TEST_CASE("device state: refusals change neither the host cache nor the pool") {
     CHECK(gpu::save_sequence(src.cache, src.other, kTag, stream).ok());  // the step does not write `other`
     REQUIRE(src.cache.commit(stream).ok());
     CHECK(gpu::save_sequence(src.cache, src.seq, kTag, stream).ok());
+    // Moved cells wait for their K re-rotation until the next upload.
+    REQUIRE(src.cache.set_key_rotation(gpu::KeyRotation<Bf>::none()).ok());
+    REQUIRE(src.cache.seq_add(src.seq, 8, -1, 4).ok());  // 8..16 -> 12..20
+    CHECK(gpu::save_sequence(src.cache, src.seq, kTag, stream).status() == Errc::rows_pending);
+    CHECK(gpu::save_sequence(src.cache, src.other, kTag, stream).ok());
+    run_step(src.cache, {src.other}, Inputs(1, rng), stream);
+    CHECK(gpu::save_sequence(src.cache, src.seq, kTag, stream).ok());
 
     Slots slots({.max_write = 8, .max_seqs = 4, .max_len = 20}, kShape);
     const std::int32_t a = slots.seq_new().value();
@@ -373,6 +386,9 @@ TEST_CASE("device state: a sharded cache (2 shards on one GPU) saves and restore
         }
   CHECK(gpu::save_sequence(sharded, id, kTag, std::span(refs).first(1)).status() == Errc::bad_shape);
   CHECK(gpu::save_sequence(sharded, id, kTag, refs).value() == bytes);
+  CHECK(gpu::save_sequence(sharded, id, kTag, refs, 1).value() == bytes);  // one layer at a time
+  const std::int32_t again = gpu::restore_sequence(sharded, bytes, kTag, refs, 1).value();
+  CHECK(gpu::save_sequence(sharded, again, kTag, refs).value() == bytes);
   // And back into a one-GPU cache.
   CellLowest one({.max_write = 8, .max_cells = 64}, kShape);
   const std::int32_t back = gpu::restore_sequence(one, gpu::save_sequence(sharded, id, kTag, refs).value(), kTag, src.stream).value();

@@ -20,9 +20,9 @@
 // Device traffic: per shard, the sequence's row numbers go to the device in one copy; per layer
 // one small kernel (kernels/move_rows.cuh) gathers (save) or scatters (restore) the K and V rows of
 // every held position into a packed staging block; one copy moves the block between device and
-// host (a 2D copy where a shard holds a slice of the heads). Staging holds at most 256 MiB of
-// layers at a time (at least one layer), so a long sequence takes a few copies, not one per row.
-// Temporaries are DeviceBuffers allocated per call.
+// host (a 2D copy where a shard holds a slice of the heads). Staging holds at most `staging_bytes`
+// (default kStateStagingBytes, 256 MiB) of layers at a time (at least one layer), so a long
+// sequence takes a few copies, not one per row. Temporaries are DeviceBuffers allocated per call.
 //
 // Streams. save_sequence gathers on `stream` (shard g on streams[g]), which must be ordered after
 // the writes of the sequence's rows (the stream of the forwards, or one that waited on them), and
@@ -71,9 +71,11 @@ constexpr std::uint32_t state_dtype() noexcept {
   return static_cast<std::uint32_t>(kDTypeOf<T>);
 }
 
-namespace detail {
-
+// Device memory a save or restore stages rows through, per shard, by default (at least one layer's
+// rows are staged whatever the budget).
 inline constexpr std::size_t kStateStagingBytes = std::size_t{256} << 20;
+
+namespace detail {
 
 // One shard's share of a state: its pool, its device (-1: the caller's current one), the first of
 // the model's KV heads it holds, and the stream it works on.
@@ -149,7 +151,7 @@ struct SliceStaging {
 
 // Throws gpu::Error when the device memory cannot be had.
 template <class Shard>
-SliceStaging make_staging(const StateSlice<Shard>& slice, std::int64_t held) {
+SliceStaging make_staging(const StateSlice<Shard>& slice, std::int64_t held, std::size_t budget) {
   const SliceDevice on(slice.device);
   const PoolShape& shape = slice.shard->pool().shape();
   const std::uint64_t layer_bytes = 2 * static_cast<std::uint64_t>(held) * static_cast<std::uint64_t>(slice.shard->pool().row_elems()) *
@@ -157,7 +159,7 @@ SliceStaging make_staging(const StateSlice<Shard>& slice, std::int64_t held) {
   SliceStaging s;
   s.device = slice.device;
   s.layers = static_cast<std::int32_t>(
-      std::clamp<std::uint64_t>(kStateStagingBytes / std::max<std::uint64_t>(layer_bytes, 1), 1, static_cast<std::uint64_t>(shape.layers)));
+      std::clamp<std::uint64_t>(budget / std::max<std::uint64_t>(layer_bytes, 1), 1, static_cast<std::uint64_t>(shape.layers)));
   s.rows = DeviceBuffer<std::int64_t>(static_cast<std::size_t>(held));
   s.block = DeviceBuffer<std::byte>(static_cast<std::size_t>(layer_bytes) * static_cast<std::size_t>(s.layers));
   return s;
@@ -237,7 +239,7 @@ Status check_rows_final(const Host& host, std::span<const StateSlice<Shard>> sli
 
 template <class Cache, class Shard>
 Result<std::vector<std::byte>> save_slices(const Cache& cache, std::span<const StateSlice<Shard>> slices, std::int32_t id,
-                                           const StateShape& shape) {
+                                           const StateShape& shape, std::size_t budget) {
   const auto& host = cache.host();
   const Result<std::vector<std::int32_t>> held = host.held_positions(id);
   if (!held.ok()) return held.status().code();
@@ -252,7 +254,7 @@ Result<std::vector<std::byte>> save_slices(const Cache& cache, std::span<const S
     for (const StateSlice<Shard>& slice : slices) {
       std::optional<SliceStaging> staging;
       try {
-        staging.emplace(make_staging(slice, static_cast<std::int64_t>(rows.size())));
+        staging.emplace(make_staging(slice, static_cast<std::int64_t>(rows.size()), budget));
       } catch (const Error&) {
         return Errc::device_error;
       }
@@ -267,7 +269,7 @@ Result<std::vector<std::byte>> save_slices(const Cache& cache, std::span<const S
 
 template <class Cache, class Shard>
 Result<std::int32_t> restore_slices(Cache& cache, std::span<const StateSlice<Shard>> slices, std::span<const std::byte> bytes,
-                                    const StateShape& shape) {
+                                    const StateShape& shape, std::size_t budget) {
   const Result<SavedState> parsed = parse_state_for(cache.host(), bytes, shape);
   if (!parsed.ok()) return parsed.status().code();
   const SavedState& s = parsed.value();
@@ -275,7 +277,7 @@ Result<std::int32_t> restore_slices(Cache& cache, std::span<const StateSlice<Sha
   std::vector<SliceStaging> staging;
   if (!s.positions.empty()) {
     try {
-      for (const StateSlice<Shard>& slice : slices) staging.push_back(make_staging(slice, static_cast<std::int64_t>(s.positions.size())));
+      for (const StateSlice<Shard>& slice : slices) staging.push_back(make_staging(slice, static_cast<std::int64_t>(s.positions.size()), budget));
     } catch (const Error&) {
       return Errc::device_error;
     }
@@ -304,22 +306,24 @@ Result<std::int32_t> restore_slices(Cache& cache, std::span<const StateSlice<Sha
 // the caller's dtype tag. See the file comment for the streams and the refusals.
 template <Layout L, Element T, WindowSet W, PlacementFor<L> P, std::int32_t MaxSeqs>
 Result<std::vector<std::byte>> save_sequence(const DeviceCache<L, T, W, P, MaxSeqs>& cache, std::int32_t id,
-                                             std::uint32_t dtype, ::cuda::stream_ref stream) {
+                                             std::uint32_t dtype, ::cuda::stream_ref stream,
+                                             std::size_t staging_bytes = kStateStagingBytes) {
   using Cache = DeviceCache<L, T, W, P, MaxSeqs>;
   const detail::StateSlice<typename Cache::Shard> slice{&cache.shard(), -1, 0, stream};
   return detail::save_slices(cache, std::span(&slice, 1),
-                             id, state_shape<Cache>(cache.pool().shape(), static_cast<std::int32_t>(sizeof(T)), dtype));
+                             id, state_shape<Cache>(cache.pool().shape(), static_cast<std::int32_t>(sizeof(T)), dtype), staging_bytes);
 }
 
 // A new sequence of a DeviceCache (lowest free id) holding the saved positions, each in a fresh
 // row its placement picks, with the saved K and V rows written there.
 template <Layout L, Element T, WindowSet W, PlacementFor<L> P, std::int32_t MaxSeqs>
 Result<std::int32_t> restore_sequence(DeviceCache<L, T, W, P, MaxSeqs>& cache, std::span<const std::byte> bytes,
-                                      std::uint32_t dtype, ::cuda::stream_ref stream) {
+                                      std::uint32_t dtype, ::cuda::stream_ref stream,
+                                      std::size_t staging_bytes = kStateStagingBytes) {
   using Cache = DeviceCache<L, T, W, P, MaxSeqs>;
   const detail::StateSlice<typename Cache::Shard> slice{&cache.shard(), -1, 0, stream};
   return detail::restore_slices(cache, std::span(&slice, 1), bytes,
-                                state_shape<Cache>(cache.pool().shape(), static_cast<std::int32_t>(sizeof(T)), dtype));
+                                state_shape<Cache>(cache.pool().shape(), static_cast<std::int32_t>(sizeof(T)), dtype), staging_bytes);
 }
 
 // The same with the natural tag, state_dtype<T>().
@@ -340,27 +344,29 @@ Result<std::int32_t> restore_sequence(DeviceCache<L, T, W, P, MaxSeqs>& cache, s
 // their place in every row of the state. bad_shape for a stream count other than shards().
 template <Layout L, Element T, WindowSet W, PlacementFor<L> P, std::int32_t MaxSeqs>
 Result<std::vector<std::byte>> save_sequence(const ShardedCache<L, T, W, P, MaxSeqs>& cache, std::int32_t id,
-                                             std::uint32_t dtype, std::span<const ::cuda::stream_ref> streams) {
+                                             std::uint32_t dtype, std::span<const ::cuda::stream_ref> streams,
+                                             std::size_t staging_bytes = kStateStagingBytes) {
   using Cache = ShardedCache<L, T, W, P, MaxSeqs>;
   if (static_cast<std::int32_t>(streams.size()) != cache.shards()) return Errc::bad_shape;
   std::vector<detail::StateSlice<typename Cache::Shard>> slices;
   for (std::int32_t g = 0; g < cache.shards(); ++g)
     slices.push_back({&cache.shard(g), cache.device(g), cache.heads(g).kv.first, streams[static_cast<std::size_t>(g)]});
   return detail::save_slices(cache, std::span<const detail::StateSlice<typename Cache::Shard>>(slices), id,
-                             state_shape<Cache>(cache.model_shape(), static_cast<std::int32_t>(sizeof(T)), dtype));
+                             state_shape<Cache>(cache.model_shape(), static_cast<std::int32_t>(sizeof(T)), dtype), staging_bytes);
 }
 
 // As above for a ShardedCache: shard g writes its heads of every row on streams[g].
 template <Layout L, Element T, WindowSet W, PlacementFor<L> P, std::int32_t MaxSeqs>
 Result<std::int32_t> restore_sequence(ShardedCache<L, T, W, P, MaxSeqs>& cache, std::span<const std::byte> bytes,
-                                      std::uint32_t dtype, std::span<const ::cuda::stream_ref> streams) {
+                                      std::uint32_t dtype, std::span<const ::cuda::stream_ref> streams,
+                                      std::size_t staging_bytes = kStateStagingBytes) {
   using Cache = ShardedCache<L, T, W, P, MaxSeqs>;
   if (static_cast<std::int32_t>(streams.size()) != cache.shards()) return Errc::bad_shape;
   std::vector<detail::StateSlice<typename Cache::Shard>> slices;
   for (std::int32_t g = 0; g < cache.shards(); ++g)
     slices.push_back({&cache.shard(g), cache.device(g), cache.heads(g).kv.first, streams[static_cast<std::size_t>(g)]});
   return detail::restore_slices(cache, std::span<const detail::StateSlice<typename Cache::Shard>>(slices), bytes,
-                                state_shape<Cache>(cache.model_shape(), static_cast<std::int32_t>(sizeof(T)), dtype));
+                                state_shape<Cache>(cache.model_shape(), static_cast<std::int32_t>(sizeof(T)), dtype), staging_bytes);
 }
 
 }  // namespace cellkv::gpu
