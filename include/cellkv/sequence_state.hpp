@@ -111,10 +111,10 @@ struct SavedState {
   }
 };
 
-// Bytes of a state holding `positions` (strictly ascending); row(layer, kv, i) returns a pointer to
-// the row_bytes() bytes of position positions[i]'s K (kv 0) or V (kv 1) in that layer.
-template <class RowFn>
-std::vector<std::byte> encode_state(const StateShape& shape, std::span<const std::int32_t> positions, RowFn&& row) {
+// The bytes of a state holding `positions` (strictly ascending): the header and the positions
+// written, the rows (state_rows) left zero and the checksum unset until seal_state. The device
+// save (gpu/sequence_state.cuh) copies the rows straight into them.
+inline std::vector<std::byte> state_frame(const StateShape& shape, std::span<const std::int32_t> positions) {
   const std::uint64_t held = positions.size(), rb = shape.row_bytes();
   const std::uint64_t payload = 4 * held + 2 * static_cast<std::uint64_t>(shape.layers) * held * rb;
   std::vector<std::byte> out(kStateHeaderBytes + static_cast<std::size_t>(payload));
@@ -130,16 +130,34 @@ std::vector<std::byte> encode_state(const StateShape& shape, std::span<const std
   detail::put<std::uint32_t>(out, 40, static_cast<std::uint32_t>(held));
   detail::put<std::int32_t>(out, 44, positions.empty() ? 0 : positions.back() + 1);
   detail::put<std::uint64_t>(out, 48, payload);
-  std::size_t at = kStateHeaderBytes;
-  if (held != 0) std::memcpy(out.data() + at, positions.data(), 4 * positions.size());
-  at += 4 * positions.size();
+  if (held != 0) std::memcpy(out.data() + kStateHeaderBytes, positions.data(), 4 * positions.size());
+  return out;
+}
+
+// The rows of a framed state: [layers][2][held][row_bytes] (K then V of each layer).
+inline std::span<std::byte> state_rows(std::vector<std::byte>& frame) {
+  const std::size_t held = detail::get<std::uint32_t>(std::span<const std::byte>(frame), 40);
+  return std::span<std::byte>(frame).subspan(kStateHeaderBytes + 4 * held);
+}
+
+// Writes the checksum of a framed state whose rows are filled.
+inline void seal_state(std::vector<std::byte>& frame) {
+  const std::span<const std::byte> all(frame);
+  const std::uint64_t sum = detail::fnv1a(detail::fnv1a(detail::kFnvBasis, all.first(56)), all.subspan(kStateHeaderBytes));
+  detail::put<std::uint64_t>(frame, 56, sum);
+}
+
+// Bytes of a state holding `positions` (strictly ascending); row(layer, kv, i) returns a pointer to
+// the row_bytes() bytes of position positions[i]'s K (kv 0) or V (kv 1) in that layer.
+template <class RowFn>
+std::vector<std::byte> encode_state(const StateShape& shape, std::span<const std::int32_t> positions, RowFn&& row) {
+  std::vector<std::byte> out = state_frame(shape, positions);
+  const auto rb = static_cast<std::size_t>(shape.row_bytes());
+  std::byte* at = state_rows(out).data();
   for (std::int32_t l = 0; l < shape.layers; ++l)
     for (std::int32_t kv = 0; kv < 2; ++kv)
-      for (std::size_t i = 0; i < positions.size(); ++i, at += static_cast<std::size_t>(rb))
-        std::memcpy(out.data() + at, row(l, kv, i), static_cast<std::size_t>(rb));
-  const std::span<const std::byte> all(out);
-  const std::uint64_t sum = detail::fnv1a(detail::fnv1a(detail::kFnvBasis, all.first(56)), all.subspan(kStateHeaderBytes));
-  detail::put<std::uint64_t>(out, 56, sum);
+      for (std::size_t i = 0; i < positions.size(); ++i, at += rb) std::memcpy(at, row(l, kv, i), rb);
+  seal_state(out);
   return out;
 }
 
@@ -212,10 +230,24 @@ inline Result<std::vector<std::byte>> read_state_file(const std::string& path, s
 
 // ---- a host cache and its host pool (host_pool.hpp) ----
 
+// What a state of `Cache` with pools of `shape` (layers, H_kv, D) and elements of elem_bytes must
+// match (the host pool's below; the device caches' in gpu/sequence_state.cuh).
+template <class Cache>
+StateShape state_shape(const PoolShape& shape, std::int32_t elem_bytes, std::uint32_t dtype) {
+  return {shape.layers, shape.heads_kv, shape.head_dim, elem_bytes, dtype, window_digest<typename Cache::Windows>()};
+}
 template <class Cache, class T>
 StateShape state_shape(const HostPool<T>& pool, std::uint32_t dtype) {
-  return {pool.layers(), pool.heads_kv(), pool.head_dim(), static_cast<std::int32_t>(sizeof(T)), dtype,
-          window_digest<typename Cache::Windows>()};
+  return state_shape<Cache>(PoolShape{pool.layers(), pool.heads_kv(), pool.head_dim()}, static_cast<std::int32_t>(sizeof(T)),
+                            dtype);
+}
+
+// parse_state against the limits of `cache` (a host cache): at most min(capacity, position limit)
+// positions, a length of at most the position limit.
+template <class Cache>
+Result<SavedState> parse_state_for(const Cache& cache, std::span<const std::byte> bytes, const StateShape& expect) {
+  return parse_state(bytes, expect, std::min<std::int64_t>(cache.capacity(), cache.position_limit()),
+                     cache.position_limit());
 }
 
 // The state of sequence id: its held positions and their K and V rows in `pool`.
@@ -238,9 +270,7 @@ Result<std::vector<std::byte>> save_sequence(const Cache& cache, HostPool<T>& po
 template <class Cache, class T>
 Result<std::int32_t> restore_sequence(Cache& cache, HostPool<T>& pool, std::span<const std::byte> bytes,
                                       std::uint32_t dtype) {
-  const Result<SavedState> parsed =
-      parse_state(bytes, state_shape<Cache>(pool, dtype), std::min<std::int64_t>(cache.capacity(), cache.position_limit()),
-                  cache.position_limit());
+  const Result<SavedState> parsed = parse_state_for(cache, bytes, state_shape<Cache>(pool, dtype));
   if (!parsed.ok()) return parsed.status().code();
   const SavedState& s = parsed.value();
   const Result<std::int32_t> id = cache.restore_positions(s.positions);

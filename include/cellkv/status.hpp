@@ -53,6 +53,7 @@ enum class Errc : std::uint8_t {
   io_error,            // a state file could not be opened, read or written
   // device caches
   no_key_rotation,     // seq_add / seq_div on a device cache whose key rotation is not set
+  rows_pending,        // a device save/restore before the device holds a sequence's rows (gpu/sequence_state.cuh)
 };
 
 [[nodiscard]] constexpr std::string_view describe(Errc e) noexcept {
@@ -99,6 +100,9 @@ enum class Errc : std::uint8_t {
     case Errc::no_key_rotation:
       return "no key rotation: seq_add / seq_div move cells whose K must be re-rotated; set the device cache's key "
              "rotation first (set_key_rotation: RoPE, a caller kernel, or none)";
+    case Errc::rows_pending:
+      return "rows pending: the device does not hold the sequence's rows yet (a step writing it is not committed, or "
+             "row copies or K re-rotations wait for the next upload)";
   }
   return "unknown status";
 }
