@@ -279,8 +279,9 @@ Result<std::int32_t> restore_sequence(Cache& cache, HostPool<T>& pool, std::span
     const PoolView<T> v = pool.view(l);
     for (std::size_t i = 0; i < s.positions.size(); ++i) {
       const std::int64_t row = cache.row_of(id.value(), s.positions[i]);
-      std::memcpy(v.k + row * pool.row_elems(), s.row(l, 0, i).data(), static_cast<std::size_t>(s.shape.row_bytes()));
-      std::memcpy(v.v + row * pool.row_elems(), s.row(l, 1, i).data(), static_cast<std::size_t>(s.shape.row_bytes()));
+      const std::span<const std::byte> k = s.row(l, 0, i), vv = s.row(l, 1, i);  // row_bytes() each
+      std::memcpy(v.k + row * pool.row_elems(), k.data(), k.size());
+      std::memcpy(v.v + row * pool.row_elems(), vv.data(), vv.size());
     }
   }
   return id;
