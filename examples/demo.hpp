@@ -202,9 +202,12 @@ int check_solo(const std::vector<Request>& requests, const Outcome& batched, con
         return i;
     return (5 * n) / 7;
   };
-  for (std::int32_t k = 0; k < s.solo_checks; ++k) {
-    const std::int32_t i = k == 0 ? s.fork_every : k == 1 ? 1 : k == 2 ? first_shifting(false) : k == 3 ? first_shifting(true)
-                                                                                                       : (k * 7 + 1) % n;
+  std::vector<std::int32_t> chosen;
+  for (std::int32_t k = 0; k < std::min(s.solo_checks, n); ++k) {
+    std::int32_t i = k == 0 ? s.fork_every : k == 1 ? 1 : k == 2 ? first_shifting(false) : k == 3 ? first_shifting(true)
+                                                                                                 : (k * 7 + 1) % n;
+    while (std::find(chosen.begin(), chosen.end(), i) != chosen.end()) i = (i + 1) % n;  // each session once
+    chosen.push_back(i);
     const Request& r = requests[static_cast<std::size_t>(i)];
     const std::vector<std::int32_t>& prompt = r.fork_of >= 0 ? requests[static_cast<std::size_t>(r.fork_of)].prompt : r.prompt;
     const Solo solo = run_solo(prompt, r.max_new, r.sampling);
