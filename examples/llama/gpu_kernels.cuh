@@ -11,6 +11,7 @@
 #include <cellkv/gpu/kernels/mma.cuh>
 #include <cellkv/gpu/numeric.cuh>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -379,7 +380,6 @@ __global__ void __launch_bounds__(kThreads) gemv_mma(Args<T> a) {
   extern __shared__ int4 gemv_smem[];
   const std::int32_t k = a.k, ld = k + 8;
   const Staged<T> st = stage<T, B, kRows, kNorm>(a, gemv_smem, ld, kMmaOutputs);
-  __shared__ float part[kWarps][kMmaOutputs][kRows];
   __shared__ float tile[kMmaOutputs][kRows];
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
   const int g = lane / 4, q = lane % 4, m = lane / 8, r8 = lane % 8;
@@ -397,6 +397,11 @@ __global__ void __launch_bounds__(kThreads) gemv_mma(Args<T> a) {
       ck::mma_16816<T>(acc[j], af, b0, b1);
     }
   }
+  // The warps' sums [warp][output][row] reuse the staged operands once every warp is past them
+  // (the launch sizes the dynamic shared memory for both), so the static shared memory stays small
+  // enough for three blocks of W13's shape per multiprocessor (one wave at 16 rows).
+  auto* part = reinterpret_cast<float(*)[kMmaOutputs][kRows]>(gemv_smem);
+  __syncthreads();
 #pragma unroll
   for (int j = 0; j < kTiles; ++j) {
     part[warp][g][8 * j + 2 * q] = acc[j][0];
@@ -432,7 +437,9 @@ constexpr std::size_t smem_bytes(int rows, std::int32_t ld, int weight_rows) {
 // Dynamic shared memory of a launch for B rows of length k (ffma_weight_rows: 8 kPerWarp).
 template <class T>
 constexpr std::size_t launch_smem_bytes(int rows, std::int32_t k, int ffma_weight_rows) {
-  if (tensor_cores<T>(rows)) return smem_bytes<T>(rows < 8 ? 8 : rows, k + 8, kMmaOutputs);
+  if (tensor_cores<T>(rows))  // the staged operands, then the warps' sums over them
+    return std::max(smem_bytes<T>(rows < 8 ? 8 : rows, k + 8, kMmaOutputs),
+                    static_cast<std::size_t>(kWarps * kMmaOutputs * (rows < 8 ? 8 : rows)) * sizeof(float));
   return smem_bytes<T>(rows, k, ffma_weight_rows);
 }
 

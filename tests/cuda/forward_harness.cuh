@@ -71,6 +71,17 @@ class ForwardHarness {
     out_.fill(poison<T>());
   }
 
+  // One checked step of the placed T tokens: new inputs, upload, forward, commit, wait. Returns
+  // the worst relative error against the host reference.
+  double checked_step(std::int32_t T, std::mt19937_64& rng, ::cuda::stream_ref stream) {
+    new_inputs(T, rng);
+    REQUIRE(cache_.upload(stream).ok());
+    device_forward(T, stream);
+    REQUIRE(cache_.commit(stream).ok());
+    REQUIRE(cudaStreamSynchronize(stream.get()) == cudaSuccess);
+    return check_against_reference();
+  }
+
   // The host reference of the placed step (T real tokens) for every layer; compares with the
   // device outputs of those tokens. Returns the worst relative error.
   double check_against_reference() {

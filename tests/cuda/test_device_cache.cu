@@ -76,12 +76,7 @@ void random_forward_run(std::int32_t heads_q, gpu::PoolShape shape, std::int32_t
     const std::int32_t T = random_step<typename Cache::Host>(cache, max_width, rng);
     const auto copies = cache.host().pending_changes().copies;
     harness.mirror_copies({copies.begin(), copies.end()});
-    harness.new_inputs(T, rng);
-    REQUIRE(cache.upload(stream).ok());
-    harness.device_forward(T, stream);
-    REQUIRE(cache.commit(stream).ok());
-    stream.synchronize();
-    CHECK(harness.check_against_reference() <= tolerance<typename Cache::Element>());
+    CHECK(harness.checked_step(T, rng, stream) <= tolerance<typename Cache::Element>());
   }
 }
 

@@ -92,12 +92,7 @@ void random_edit_run(const RopeSpec& rope, std::int32_t heads_q, std::int32_t he
     cache.host().live_sequences().for_each([&](std::int32_t s) {
       holes += cache.host().pos(s).value() - static_cast<std::int32_t>(cache.host().held_positions(s).value().size());
     });
-    harness.new_inputs(T, rng);
-    REQUIRE(cache.upload(stream).ok());
-    harness.device_forward(T, stream);
-    REQUIRE(cache.commit(stream).ok());
-    stream.synchronize();
-    CHECK(harness.check_against_reference() <= tolerance<typename Cache::Element>());
+    CHECK(harness.checked_step(T, rng, stream) <= tolerance<typename Cache::Element>());
   }
   // The traffic did what it is for: cells moved, copied on write, sequences with holes.
   CHECK(rotated > 0);

@@ -340,6 +340,18 @@ Result<std::int32_t> restore_sequence(DeviceCache<L, T, W, P, MaxSeqs>& cache, s
 
 // ---- several GPUs (tensor parallelism) ----
 
+namespace detail {
+// Shard g's slice of a sharded cache, on streams[g]; precondition: one stream per shard.
+template <class Sharded>
+std::vector<StateSlice<typename Sharded::Shard>> shard_slices(const Sharded& cache,
+                                                              std::span<const ::cuda::stream_ref> streams) {
+  std::vector<StateSlice<typename Sharded::Shard>> slices;
+  for (std::int32_t g = 0; g < cache.shards(); ++g)
+    slices.push_back({&cache.shard(g), cache.device(g), cache.heads(g).kv.first, streams[static_cast<std::size_t>(g)]});
+  return slices;
+}
+}  // namespace detail
+
 // As above for a ShardedCache: shard g gathers its heads on streams[g] (a stream of device g) into
 // their place in every row of the state. bad_shape for a stream count other than shards().
 template <Layout L, Element T, WindowSet W, PlacementFor<L> P, std::int32_t MaxSeqs>
@@ -348,9 +360,7 @@ Result<std::vector<std::byte>> save_sequence(const ShardedCache<L, T, W, P, MaxS
                                              std::size_t staging_bytes = kStateStagingBytes) {
   using Cache = ShardedCache<L, T, W, P, MaxSeqs>;
   if (static_cast<std::int32_t>(streams.size()) != cache.shards()) return Errc::bad_shape;
-  std::vector<detail::StateSlice<typename Cache::Shard>> slices;
-  for (std::int32_t g = 0; g < cache.shards(); ++g)
-    slices.push_back({&cache.shard(g), cache.device(g), cache.heads(g).kv.first, streams[static_cast<std::size_t>(g)]});
+  const auto slices = detail::shard_slices(cache, streams);
   return detail::save_slices(cache, std::span<const detail::StateSlice<typename Cache::Shard>>(slices), id,
                              state_shape<Cache>(cache.model_shape(), static_cast<std::int32_t>(sizeof(T)), dtype), staging_bytes);
 }
@@ -362,9 +372,7 @@ Result<std::int32_t> restore_sequence(ShardedCache<L, T, W, P, MaxSeqs>& cache, 
                                       std::size_t staging_bytes = kStateStagingBytes) {
   using Cache = ShardedCache<L, T, W, P, MaxSeqs>;
   if (static_cast<std::int32_t>(streams.size()) != cache.shards()) return Errc::bad_shape;
-  std::vector<detail::StateSlice<typename Cache::Shard>> slices;
-  for (std::int32_t g = 0; g < cache.shards(); ++g)
-    slices.push_back({&cache.shard(g), cache.device(g), cache.heads(g).kv.first, streams[static_cast<std::size_t>(g)]});
+  const auto slices = detail::shard_slices(cache, streams);
   return detail::restore_slices(cache, std::span<const detail::StateSlice<typename Cache::Shard>>(slices), bytes,
                                 state_shape<Cache>(cache.model_shape(), static_cast<std::int32_t>(sizeof(T)), dtype), staging_bytes);
 }
