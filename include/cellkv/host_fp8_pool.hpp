@@ -68,11 +68,14 @@ class HostFp8Pool {
   }
 
   // Applies what the cache changed since the last sync (fork and copy-on-write copies), then
-  // acknowledges it, as HostPool::sync does (K re-rotations are acknowledged, not applied).
+  // acknowledges it. Refused (no_key_rotation, nothing applied or acknowledged) while K
+  // re-rotations are pending: fp8 host pools do not re-rotate moved keys.
   template <class Cache>
-  void sync(Cache& cache) {
+  [[nodiscard]] Status sync(Cache& cache) {
+    if (!cache.pending_changes().rotations.empty()) return Errc::no_key_rotation;
     for (const RowCopy& c : cache.pending_changes().copies) copy_rows(c);
     cache.acknowledge_changes();
+    return {};
   }
 
  private:

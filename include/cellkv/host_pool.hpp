@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cellkv/pool_view.hpp"
+#include "cellkv/status.hpp"
 #include "cellkv/rope.hpp"
 #include "cellkv/step_plan.hpp"
 
@@ -48,11 +49,18 @@ class HostPool {
   }
 
   // Applies what the cache changed since the last sync (fork and copy-on-write copies), then
-  // acknowledges it. K re-rotations after seq_add / seq_div (pending_changes().rotations) are not
-  // applied here (the host pool holds no RoPE parameters): they are acknowledged with the rest, so
-  // use this overload only for a model whose keys need none (or a cache that moved no cell).
+  // acknowledges it. Refused (no_key_rotation, nothing applied or acknowledged) while K
+  // re-rotations are pending (seq_add / seq_div moved cells): use sync(cache, rope), or
+  // sync_keys_without_position for a model whose keys carry no position (ALiBi, NoPE).
   template <class Cache>
-  void sync(Cache& cache) {
+  [[nodiscard]] Status sync(Cache& cache) {
+    if (!cache.pending_changes().rotations.empty()) return Errc::no_key_rotation;
+    sync_keys_without_position(cache);
+    return {};
+  }
+  // The copies, then the acknowledgement of everything, re-rotations included (not applied).
+  template <class Cache>
+  void sync_keys_without_position(Cache& cache) {
     for (const RowCopy& c : cache.pending_changes().copies) copy_rows(c);
     cache.acknowledge_changes();
   }

@@ -54,6 +54,8 @@ enum class Errc : std::uint8_t {
   // device caches
   no_key_rotation,     // seq_add / seq_div on a device cache whose key rotation is not set
   rows_pending,        // a device save/restore before the device holds a sequence's rows (gpu/sequence_state.cuh)
+  upload_incomplete,   // a verb that could change the pending copies or re-rotations while a device
+                       // applied part of them (a failed or partial upload)
 };
 
 [[nodiscard]] constexpr std::string_view describe(Errc e) noexcept {
@@ -103,6 +105,9 @@ enum class Errc : std::uint8_t {
     case Errc::rows_pending:
       return "rows pending: the device does not hold the sequence's rows yet (a step writing it is not committed, or "
              "row copies or K re-rotations wait for the next upload)";
+    case Errc::upload_incomplete:
+      return "upload incomplete: a device applied part of the pending copies and key re-rotations (a failed or partial "
+             "upload); upload the placed step on every device before a verb that could change them";
   }
   return "unknown status";
 }

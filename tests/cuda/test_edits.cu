@@ -353,26 +353,36 @@ TEST_CASE("key rotation: refusals change nothing; none leaves K alone; a caller 
       for (std::int32_t i = 0; i < 2 * 64; ++i) CHECK(to_double(pool[static_cast<std::size_t>(row * 128 + i)]) == 0.5);
     }
   }
-  SUBCASE("custom: called once per layer with the moved cells; its refusal stops the upload") {
+  SUBCASE("custom: called once per layer with the moved cells; a refusal stops the upload, which resumes there") {
     std::vector<std::pair<std::int32_t, std::int32_t>> calls;  // (layer, count)
-    Status answer{};
+    std::int32_t refuse_layer = -1;
     REQUIRE(cache.set_key_rotation(Rotation::custom([&](std::int32_t layer, const PoolView<__nv_bfloat16>& pool,
                                                         const RowRotation* rotations, std::int32_t count,
-                                                        ::cuda::stream_ref) {
+                                                        ::cuda::stream_ref) -> Status {
               CHECK(pool.k == cache.pool().view(layer).k);
               CHECK(rotations != nullptr);
               calls.emplace_back(layer, count);
-              return answer;
+              return layer == refuse_layer ? Status{Errc::bad_argument} : Status{};
             })).ok());
     REQUIRE(cache.seq_add(s, 5, -1, 3).ok());
     REQUIRE(cache.declare_step(std::vector<std::int32_t>{s}).ok());
-    answer = Errc::bad_argument;
+    refuse_layer = 1;  // layer 0 is rotated, layer 1 refuses
     CHECK(cache.upload(stream) == Errc::bad_argument);
-    answer = {};
+    CHECK(calls == std::vector<std::pair<std::int32_t, std::int32_t>>{{0, 5}, {1, 5}});
+    CHECK(cache.holds_applied_changes());
+    // Until the upload completes, verbs that could change the pending rotations are refused.
+    CHECK(cache.seq_add(s, 0, 2, 1) == Errc::upload_incomplete);
+    CHECK(cache.seq_rm(s, 0, 1) == Errc::upload_incomplete);
+    CHECK(cache.rewind(s, 3) == Errc::upload_incomplete);
+    CHECK(cache.seq_clone(s).status() == Errc::upload_incomplete);
+    CHECK(cache.host().pos(s).value() == 14);  // 13 after the move, then the declared token
+    refuse_layer = -1;
     calls.clear();
     REQUIRE(cache.upload(stream).ok());
-    CHECK(calls == std::vector<std::pair<std::int32_t, std::int32_t>>{{0, 5}, {1, 5}});
+    CHECK(calls == std::vector<std::pair<std::int32_t, std::int32_t>>{{1, 5}});  // layer 0 is not rotated twice
+    CHECK_FALSE(cache.holds_applied_changes());
     REQUIRE(cache.commit(stream).ok());
+    CHECK(cache.seq_rm(s, 0, 1).ok());
   }
   require_device_ok();
 }
@@ -464,5 +474,40 @@ TEST_CASE("key rotation on a sharded cache: every shard re-rotates its heads as 
   REQUIRE(cudaMemcpy(moved.data(), single.pool().view(0).k + single.host().row_of(s, 6) * 128, moved.size() * sizeof(T),
                      cudaMemcpyDeviceToHost) == cudaSuccess);
   CHECK(std::memcmp(moved.data(), &k[10 * 128], 128 * sizeof(T)) != 0);
+  require_device_ok();
+}
+
+TEST_CASE("key rotation on a sharded cache: a shard that uploaded does not rotate again when another shard retries") {
+  using T = __nv_bfloat16;
+  using C = gpu::ShardedCache<layout::cell, T, Windows<0, 0>, placement::lowest_free, 8>;
+  C cache({.max_write = 16, .max_cells = 256, .max_seqs = 4}, {.layers = 2, .heads_kv = 2, .head_dim = 64, .heads_q = 4},
+          std::vector<int>{0, 0});
+  gpu::Stream s0, s1;
+  const std::vector<::cuda::stream_ref> refs{s0.ref(), s1.ref()};
+  std::vector<std::pair<const T*, std::int32_t>> calls;  // (pool K of the shard's layer, layer)
+  bool refuse_shard1 = false;
+  REQUIRE(cache.set_key_rotation(gpu::KeyRotation<T>::custom([&](std::int32_t layer, const PoolView<T>& pool,
+                                                                  const RowRotation*, std::int32_t,
+                                                                  ::cuda::stream_ref) -> Status {
+            calls.emplace_back(pool.k, layer);
+            return refuse_shard1 && pool.k == cache.shard(1).pool().view(layer).k ? Status{Errc::bad_argument} : Status{};
+          })).ok());
+  const std::int32_t s = cache.seq_new().value();
+  REQUIRE(cache.declare_step(std::vector<std::int32_t>(10, s)).ok());
+  REQUIRE(cache.upload(refs).ok());
+  REQUIRE(cache.commit(refs).ok());
+  REQUIRE(cache.seq_add(s, 5, -1, 3).ok());
+  REQUIRE(cache.declare_step(std::vector<std::int32_t>{s}).ok());
+  refuse_shard1 = true;
+  CHECK(cache.upload(refs) == Errc::bad_argument);  // shard 0 rotated both layers, shard 1 refused at layer 0
+  CHECK(calls.size() == 3);
+  CHECK(cache.seq_add(s, 0, 2, 1) == Errc::upload_incomplete);
+  refuse_shard1 = false;
+  calls.clear();
+  REQUIRE(cache.upload(refs).ok());  // shard 0 applies nothing again; shard 1 both layers
+  REQUIRE(calls.size() == 2);
+  for (const auto& [k, layer] : calls) CHECK(k == cache.shard(1).pool().view(layer).k);
+  REQUIRE(cache.commit(refs).ok());
+  CHECK(cache.seq_add(s, 12, -1, 1).ok());  // acknowledged at this verb: every shard uploaded
   require_device_ok();
 }

@@ -9,6 +9,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "cellkv/host_fp8_pool.hpp"
+#include "cellkv/host_pool.hpp"
+#include "cellkv/kv_cache.hpp"
 #include "cellkv/rope.hpp"
 
 namespace {
@@ -155,4 +158,25 @@ TEST_CASE("rope: check_rope refuses a bad theta, rotary dims, or scaling factor"
   CHECK(check_rope({.rotary_dims = 2, .scaling = RopeScaling::ntk, .factor = 2.0}, d) == Errc::bad_argument);
   CHECK(check_rope({.rotary_dims = 2, .scaling = RopeScaling::linear, .factor = 2.0}, d).ok());
   CHECK(check_rope({.factor = 0.0}, d).ok());  // the factor is ignored without scaling
+}
+
+TEST_CASE("host pools refuse to drop pending K re-rotations unless told the keys carry no position") {
+  KVCache<layout::cell, Windows<0>, placement::lowest_free, 4> cache({.max_write = 16, .max_cells = 64, .max_seqs = 2});
+  HostPool<float> pool(1, 64, 1, 8);
+  HostFp8Pool fp8(1, 64, 1, 8);
+  const std::int32_t s = cache.seq_new().value();
+  REQUIRE(cache.declare_step(std::vector<std::int32_t>(10, s)).ok());
+  REQUIRE(pool.sync(cache).ok());  // nothing moved: copies (none), then acknowledged
+  REQUIRE(cache.seq_add(s, 5, -1, 3).ok());
+  REQUIRE(cache.pending_changes().rotations.size() == 5);
+  const std::uint64_t epoch = cache.changes_epoch();
+  CHECK(pool.sync(cache) == Errc::no_key_rotation);
+  CHECK(fp8.sync(cache) == Errc::no_key_rotation);
+  CHECK(cache.pending_changes().rotations.size() == 5);  // nothing acknowledged
+  CHECK(cache.changes_epoch() == epoch);
+  pool.sync_keys_without_position(cache);
+  CHECK(cache.pending_changes().rotations.empty());
+  CHECK(cache.changes_epoch() != epoch);
+  CHECK(pool.sync(cache).ok());
+  CHECK(fp8.sync(cache).ok());
 }

@@ -83,7 +83,11 @@ class KVCache<layout::cell, W, P, MaxSeqs>
     copies_.clear();
     for (const RowRotation& r : rotations_) rotation_at_[static_cast<std::size_t>(r.cell)] = -1;
     rotations_.clear();
+    ++changes_epoch_;
   }
+  // Changes whenever the pending copies or rotations change (and at every acknowledge_changes), so
+  // a device that applied them can tell whether it holds the current ones.
+  [[nodiscard]] std::uint64_t changes_epoch() const noexcept { return changes_epoch_; }
 
   friend bool operator==(const KVCache&, const KVCache&) = default;
 
@@ -305,6 +309,7 @@ class KVCache<layout::cell, W, P, MaxSeqs>
     owners.reset(seq);
     const std::int32_t fresh = claim(seq, q);
     copies_.push_back(RowCopy{c, fresh, 1});
+    ++changes_epoch_;
     note_rotation(fresh, encoded, q);
     return fresh;
   }
@@ -321,9 +326,11 @@ class KVCache<layout::cell, W, P, MaxSeqs>
       drop_rotation(c);
     } else if (i >= 0) {
       rotations_[static_cast<std::size_t>(i)].new_pos = q;
+      ++changes_epoch_;
     } else {
       rotation_at_[static_cast<std::size_t>(c)] = static_cast<std::int32_t>(rotations_.size());
       rotations_.push_back(RowRotation{c, encoded, q});
+      ++changes_epoch_;
     }
   }
   void drop_rotation(std::int32_t c) {
@@ -333,6 +340,7 @@ class KVCache<layout::cell, W, P, MaxSeqs>
     rotation_at_[static_cast<std::size_t>(rotations_[static_cast<std::size_t>(i)].cell)] = i;
     rotations_.pop_back();
     rotation_at_[static_cast<std::size_t>(c)] = -1;
+    ++changes_epoch_;
   }
 
   // The placement hears where seq now ends (after every rewind, removal and edit).
@@ -345,6 +353,7 @@ class KVCache<layout::cell, W, P, MaxSeqs>
 
   void clear_rows() {
     this->live_sequences().for_each([&](std::int32_t s) { truncate_rows(s, 0); });
+    if (!copies_.empty()) ++changes_epoch_;
     copies_.clear();  // every cell is free
   }
 
@@ -385,6 +394,7 @@ class KVCache<layout::cell, W, P, MaxSeqs>
   P placement_;                                       // the policy's own state
   std::array<typename P::SeqState, static_cast<std::size_t>(MaxSeqs)> seq_state_{};  // [MaxSeqs]
   std::vector<RowCopy> copies_;                       // copy-on-write copies not yet acknowledged
+  std::uint64_t changes_epoch_ = 0;                   // see changes_epoch()
   std::vector<RowRotation> rotations_;                // re-rotations not yet acknowledged
   std::vector<std::int32_t> rotation_at_;             // [max_cells] index into rotations_, -1 = none
 };

@@ -59,7 +59,12 @@ class KVCache<layout::sequence, W, P, MaxSeqs>
 
   // Fork copies since the last acknowledge_changes(), in the order to run them.
   [[nodiscard]] PendingChanges pending_changes() const noexcept { return {copies_, {}, {}}; }
-  void acknowledge_changes() noexcept { copies_.clear(); }
+  void acknowledge_changes() noexcept {
+    copies_.clear();
+    ++changes_epoch_;
+  }
+  // Changes whenever the pending copies change (and at every acknowledge_changes).
+  [[nodiscard]] std::uint64_t changes_epoch() const noexcept { return changes_epoch_; }
 
   friend bool operator==(const KVCache&, const KVCache&) = default;
 
@@ -101,6 +106,7 @@ class KVCache<layout::sequence, W, P, MaxSeqs>
   std::int32_t share_prefix(std::int32_t src, std::int32_t dst, std::int32_t upto) {
     if (upto == 0) return 0;
     copies_.push_back(RowCopy{slot_begin(src), slot_begin(dst), upto});
+    ++changes_epoch_;
     used_rows_ += upto;
     nonempty_.set(dst);
     return upto;
@@ -143,6 +149,7 @@ class KVCache<layout::sequence, W, P, MaxSeqs>
   void clear_rows() {
     used_rows_ = 0;
     nonempty_.clear();
+    if (!copies_.empty()) ++changes_epoch_;
     copies_.clear();  // every destination slot is gone
   }
 
@@ -167,6 +174,7 @@ class KVCache<layout::sequence, W, P, MaxSeqs>
   std::int64_t used_rows_ = 0;
   typename Base::Owners nonempty_{};  // sequences holding at least one row
   std::vector<RowCopy> copies_;       // fork copies not yet acknowledged
+  std::uint64_t changes_epoch_ = 0;   // see changes_epoch()
 };
 
 }  // namespace cellkv

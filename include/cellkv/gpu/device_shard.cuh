@@ -131,6 +131,15 @@ class DeviceShard {
   }
   [[nodiscard]] bool key_rotation_set() const noexcept { return rotation_.set(); }
 
+  // True while this shard has applied (all or part of) the host's pending copies and re-rotations
+  // and the host has not acknowledged them: a later upload of this shard does not run them again
+  // (it resumes where a failed one stopped), so the owner refuses verbs that could change them
+  // (Errc::upload_incomplete) until every shard has uploaded.
+  [[nodiscard]] bool holds_applied_changes() const noexcept {
+    const PendingChanges p = host_.pending_changes();
+    return applied_.epoch == host_.changes_epoch() && applied_.copies && !(p.copies.empty() && p.rotations.empty());
+  }
+
   // Reports (Errc::bad_device_row) and clears a fault device code set since the last report: a
   // write_kv of this shard met a row outside the pool (docs/design.md section 5).
   [[nodiscard]] Status take_device_fault() noexcept {
@@ -149,8 +158,7 @@ class DeviceShard {
     const StepPlan plan = host_.step();
     if (width == 0) width = plan.tokens;
     if (const Status s = last_.wait_on(stream); !s.ok()) return s;
-    if (const Status s = run_copies(stream); !s.ok()) return s;
-    if (const Status s = run_rotations(stream); !s.ok()) return s;
+    if (const Status s = apply_changes(stream); !s.ok()) return s;
     const TableChanges changes = host_.pending_changes().table;
     std::size_t first = 0;  // table writes beyond one block's room go first, in batches
     const auto room = static_cast<std::size_t>(buffers_.shape().max_table_writes);
@@ -293,11 +301,20 @@ class DeviceShard {
   }
 
   // The pending row copies (forks of the sequence layout, copy-on-write cells of the cell layout),
-  // in order, before the rotations and this step's writes (row_copies.cuh).
-  Status run_copies(::cuda::stream_ref stream) { return copier_.run(pool_, host_.pending_changes().copies, stream); }
+  // in order (row_copies.cuh), then the K re-rotations of moved cells, before this step's writes;
+  // each at most once per shard: what a failed upload applied is not applied again (applied_).
+  Status apply_changes(::cuda::stream_ref stream) {
+    if (applied_.epoch != host_.changes_epoch()) applied_ = Applied{host_.changes_epoch(), false, 0};
+    if (!applied_.copies) {  // copies alone are idempotent: a failed run is simply run again
+      if (const Status s = copier_.run(pool_, host_.pending_changes().copies, stream); !s.ok()) return s;
+      applied_.copies = true;
+    }
+    return run_rotations(stream);
+  }
 
-  // The K re-rotations of moved cells, every layer, in batches through a device list allocated by
-  // the first upload that has any (the host list is pageable: each copy is staged before it returns).
+  // The K re-rotations, every layer, in batches through a device list allocated by the first upload
+  // that has any (the host list is pageable: each copy is staged before it returns); the calls this
+  // shard already made for the same pending changes (applied_.rotation_calls) are skipped.
   Status run_rotations(::cuda::stream_ref stream) {
     const std::span<const RowRotation> all = host_.pending_changes().rotations;
     if (all.empty()) return {};
@@ -310,15 +327,23 @@ class DeviceShard {
         return Errc::device_error;
       }
     }
+    std::int64_t call = 0;  // (batch, layer) in order
     for (std::size_t first = 0; first < all.size(); first += kBatch) {
+      if (call + W::kLayers <= applied_.rotation_calls) {  // the whole batch ran before
+        call += W::kLayers;
+        continue;
+      }
       const std::span<const RowRotation> batch = all.subspan(first, std::min(kBatch, all.size() - first));
       CELLKV_CUDA_STATUS(cudaMemcpyAsync(rotation_list_.data(), batch.data(), batch.size_bytes(), cudaMemcpyHostToDevice,
                                          stream.get()));
-      for (std::int32_t l = 0; l < W::kLayers; ++l)
+      for (std::int32_t l = 0; l < W::kLayers; ++l, ++call) {
+        if (call < applied_.rotation_calls) continue;
         if (const Status s = rotation_.run(l, pool_.view(l), rotation_list_.data(), static_cast<std::int32_t>(batch.size()),
                                            stream);
             !s.ok())
           return s;
+        applied_.rotation_calls = call + 1;
+      }
     }
     return {};
   }
@@ -419,6 +444,13 @@ class DeviceShard {
   StepBuffers buffers_;
   DeviceBuffer<bool> masks_;
   RowCopier copier_;
+  // What this shard applied of the host's pending changes of `epoch` (changes_epoch()).
+  struct Applied {
+    std::uint64_t epoch = 0;
+    bool copies = false;
+    std::int64_t rotation_calls = 0;  // (batch, layer) calls of the key rotation that succeeded
+  };
+  Applied applied_;
   KeyRotation<T> rotation_;
   DeviceBuffer<RowRotation> rotation_list_;  // kBatch entries once a rotation ran
   std::optional<TableKernels> table_;

@@ -7,7 +7,8 @@
 //   KeyRotation<T>::none()            positions are not encoded in K (ALiBi, NoPE): nothing runs
 //   KeyRotation<T>::rope(spec)        the built-in RoPE re-rotation (rope.hpp), every layer
 //   KeyRotation<T>::rope(specs)       one RopeSpec per layer (e.g. local and global bases)
-//   KeyRotation<T>::custom(kernel)    the caller's kernel, called once per layer
+//   KeyRotation<T>::custom(kernel)    the caller's kernel, called once per layer and batch of up to
+//                                     4096 moved cells
 #pragma once
 
 #include <cuda/stream_ref>
@@ -17,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -30,17 +32,27 @@
 
 namespace cellkv::gpu {
 
-// A caller's re-rotation of one layer: `rotations` is a device array of RowRotation (count
+// A caller's re-rotation of one layer: `rotations` is a device array of RowRotation (count <= 4096
 // entries, each cell at most once); K of row r, head h is pool.k + pool.offset(r, h), [head_dim]
-// elements. Runs on `stream`; returns a refusal to stop the upload (which then reports it).
+// elements. Runs on `stream`; a refusal must change nothing: it stops the upload (which reports
+// it), and the next upload of the shard resumes with this call (the calls that succeeded are not
+// repeated).
 template <class T>
 using RotationKernel = std::function<Status(std::int32_t layer, const PoolView<T>& pool, const RowRotation* rotations,
                                             std::int32_t count, ::cuda::stream_ref stream)>;
 
 namespace kernels {
 
+// x rounded once to T.
+template <Element T>
+__device__ __forceinline__ T round_from_double(double x) {
+  if constexpr (std::is_same_v<T, float>) return static_cast<float>(x);
+  else if constexpr (std::is_same_v<T, __half>) return __double2half(x);
+  else return __double2bfloat16(x);
+}
+
 // One thread per (rotation, KV head, pair): K's pair rotated by (new_pos - old_pos) * f_i.
-template <class T>
+template <Element T>
 __global__ void rerotate_keys(PoolView<T> pool, const RowRotation* rotations, std::int32_t count, RopeSpec spec) {
   const std::int32_t pairs = spec.dims(pool.head_dim) / 2;
   const std::int64_t per_row = static_cast<std::int64_t>(pool.heads_kv) * pairs;
@@ -54,7 +66,7 @@ __global__ void rerotate_keys(PoolView<T> pool, const RowRotation* rotations, st
     T* head = pool.k + pool.offset(r.cell, h);
     double xa = to_float(head[a]), xb = to_float(head[b]);
     rotate_pair(xa, xb, static_cast<double>(r.new_pos - r.old_pos) * rope_frequency(spec, pool.head_dim, pair));
-    head[a] = from_float<T>(static_cast<float>(xa)), head[b] = from_float<T>(static_cast<float>(xb));
+    head[a] = round_from_double<T>(xa), head[b] = round_from_double<T>(xb);
   }
 }
 

@@ -2,8 +2,9 @@
 // written once for DeviceCache and ShardedCache (the one layer between a caller and the host cache).
 //
 // `Owner` (CRTP) is told before every planning verb through `before_planning()`, where it may
-// acknowledge changes every device has uploaded (docs/design.md section 5), and is asked
-// `check_key_rotation()` before a verb that moves cells. Verbs and refusals are
+// acknowledge changes every device has uploaded (docs/design.md section 5), is asked
+// `check_key_rotation()` before a verb that moves cells, and `holds_applied_changes()` before a
+// verb that could change the pending copies or re-rotations. Verbs and refusals are
 // the host cache's own (docs/design.md section 4); the owner's device state is never touched here.
 #pragma once
 
@@ -28,16 +29,20 @@ class PlanningVerbs {
     owner().before_planning();
     return host_.seq_new();
   }
+  // The verbs below that can change the pending copies or re-rotations (clone, removals,
+  // rewind, keep, moves) are refused with upload_incomplete while a device has applied part of
+  // them and not every device has uploaded the placed step (a failed or partial upload): upload it
+  // on every device first (DeviceShard::holds_applied_changes).
   Result<std::int32_t> seq_clone(std::int32_t src, std::int32_t upto = -1) {
-    owner().before_planning();
+    if (const Status s = begin_changes(); !s.ok()) return s.code();
     return host_.seq_clone(src, upto);
   }
   Status seq_rm(std::int32_t id) {
-    owner().before_planning();
+    if (const Status s = begin_changes(); !s.ok()) return s;
     return host_.seq_rm(id);
   }
   Status rewind(std::int32_t id, std::int32_t pos) {
-    owner().before_planning();
+    if (const Status s = begin_changes(); !s.ok()) return s;
     return host_.rewind(id, pos);
   }
   void clear() {
@@ -49,7 +54,7 @@ class PlanningVerbs {
   // whose K the device re-rotates at the next upload: on the cell layout they are refused
   // (no_key_rotation, before any other check) until the owner's key rotation is set.
   Status seq_rm(std::int32_t id, std::int32_t p0, std::int32_t p1) {
-    owner().before_planning();
+    if (const Status s = begin_changes(); !s.ok()) return s;
     return host_.seq_rm(id, p0, p1);
   }
   Status seq_cp(std::int32_t src, std::int32_t dst, std::int32_t p0, std::int32_t p1) {
@@ -57,17 +62,17 @@ class PlanningVerbs {
     return host_.seq_cp(src, dst, p0, p1);
   }
   Status seq_keep(std::int32_t id) {
-    owner().before_planning();
+    if (const Status s = begin_changes(); !s.ok()) return s;
     return host_.seq_keep(id);
   }
   Status seq_add(std::int32_t id, std::int32_t p0, std::int32_t p1, std::int32_t delta) {
     if (const Status s = owner().check_key_rotation(); !s.ok()) return s;
-    owner().before_planning();
+    if (const Status s = begin_changes(); !s.ok()) return s;
     return host_.seq_add(id, p0, p1, delta);
   }
   Status seq_div(std::int32_t id, std::int32_t p0, std::int32_t p1, std::int32_t d) {
     if (const Status s = owner().check_key_rotation(); !s.ok()) return s;
-    owner().before_planning();
+    if (const Status s = begin_changes(); !s.ok()) return s;
     return host_.seq_div(id, p0, p1, d);
   }
   // A new sequence holding exactly `positions`, in fresh rows the caller fills (the device
@@ -90,6 +95,12 @@ class PlanningVerbs {
 
  private:
   Owner& owner() noexcept { return static_cast<Owner&>(*this); }
+
+  // before_planning, then upload_incomplete while a device holds part of the pending changes.
+  Status begin_changes() {
+    owner().before_planning();
+    return owner().holds_applied_changes() ? Status{Errc::upload_incomplete} : Status{};
+  }
 };
 
 }  // namespace cellkv::gpu

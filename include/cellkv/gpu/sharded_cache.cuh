@@ -174,6 +174,12 @@ class ShardedCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, ShardedCach
   }
 
  private:
+  // Some shard applied the pending changes and not every shard uploaded (planning_verbs.hpp).
+  [[nodiscard]] bool holds_applied_changes() const noexcept {
+    for (const auto& s : shards_)
+      if (s->holds_applied_changes()) return true;
+    return false;
+  }
   // seq_add / seq_div wait for a key rotation where cells move (the cell layout).
   [[nodiscard]] Status check_key_rotation() const noexcept {
     if constexpr (L::kPositionTable)

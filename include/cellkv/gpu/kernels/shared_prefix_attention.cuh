@@ -4,7 +4,8 @@
 // Work item = (shared item, KV head): kSharedRows query rows of a run (its member tokens x the GQA
 // heads of the KV head, 16 per warp) over one split of the run's positions, read through the
 // position table of one member (every member holds the same pages there). Every query of a run
-// lies past the run, so only a window can hide a position from a row; mask_tile applies it per row.
+// lies past the run, so only a window can hide a held position from a row; mask_tile applies it per
+// row, and masks the holes the shared pages hold for every member (absent columns).
 // Each row's result goes to its token's partial slot for (run, split): the output normalized over
 // what the split showed it, and the log2-sum-exp of its scores (-inf when it saw nothing).
 // merge_shared_splits then merges the splits of every (run, token) into the slot of split 0, in
