@@ -19,6 +19,16 @@ inline const batching::SamplingParams kSessionSampling[] = {
     {.temperature = 0.6f, .top_k = 5, .seed = 4},
 };
 
+// A deterministic prompt of `len` tokens: token t is (t * step + salt * salt_step + offset) % vocab.
+struct PromptRule {
+  std::int32_t step, salt_step, offset;
+};
+inline std::vector<std::int32_t> make_prompt(std::int32_t len, std::int32_t salt, std::int32_t vocab, PromptRule r) {
+  std::vector<std::int32_t> p;
+  for (std::int32_t t = 0; t < len; ++t) p.push_back((t * r.step + salt * r.salt_step + r.offset) % vocab);
+  return p;
+}
+
 // The tokens each session generated, in the order of `ids`.
 template <class Exec>
 std::vector<std::vector<std::int32_t>> outputs_of(const Exec& exec, std::span<const batching::SessionId> ids) {

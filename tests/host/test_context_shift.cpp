@@ -50,9 +50,7 @@ const llama::Weights& weights() {
 }
 
 std::vector<std::int32_t> prompt_of(std::int32_t len, std::int32_t salt) {
-  std::vector<std::int32_t> p;
-  for (std::int32_t t = 0; t < len; ++t) p.push_back((t * 13 + salt * 7 + 1) % kConfig.vocab);
-  return p;
+  return test::make_prompt(len, salt, kConfig.vocab, {13, 7, 1});
 }
 
 // The brute-force rule: which token (index into prompt ++ output) each position holds once the

@@ -43,9 +43,7 @@ const llama::Weights& weights() {
 }
 
 std::vector<std::int32_t> prompt_of(std::int32_t len, std::int32_t salt) {
-  std::vector<std::int32_t> p;
-  for (std::int32_t t = 0; t < len; ++t) p.push_back((t * 17 + salt * 5 + 3) % kConfig.vocab);
-  return p;
+  return test::make_prompt(len, salt, kConfig.vocab, {17, 5, 3});
 }
 
 // The tokens one session generates alone in a fresh cache.
