@@ -31,7 +31,7 @@ namespace cellkv::gpu {
 // update_and_attend, commit, set_key_rotation, holds_applied_changes, pool(), bindings(), mask(),
 // width(), runs_table_kernels(), use_kernels(), share_prefixes(), work_counts(), footprint()) from
 // DeviceShard.
-template <Layout L, Element T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
+template <Layout L, KvElement T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
 class DeviceCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, DeviceCache<L, T, W, P, MaxSeqs>>,
                     public DeviceShard<L, T, W, P, MaxSeqs> {
   using Planning = PlanningVerbs<KVCache<L, W, P, MaxSeqs>, DeviceCache>;
@@ -40,7 +40,8 @@ class DeviceCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, DeviceCache<
  public:
   using Shard = DeviceShard<L, T, W, P, MaxSeqs>;
   using Host = typename Shard::Host;
-  using Element = T;
+  using Element = InputOf<T>;  // queries, K/V inputs, outputs
+  using Storage = T;           // Element, or Fp8<Element> (dtype.hpp)
   using Windows = W;
 
   // Builds the host cache, then the shard (which checks its footprint against the device's free

@@ -23,6 +23,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/kv_cache.hpp"
@@ -31,6 +32,7 @@
 #include "cellkv/gpu/key_rotation.cuh"
 #include "cellkv/gpu/kernels/tile_rows.cuh"
 #include "cellkv/gpu/kv_pool.hpp"
+#include "cellkv/gpu/kv_views.hpp"
 #include "cellkv/gpu/launch/ops.cuh"
 #include "cellkv/gpu/launch/row_copies.cuh"
 #include "cellkv/gpu/launch/step.cuh"
@@ -50,7 +52,9 @@ enum class KernelChoice : std::uint8_t { automatic, reference };
 // reference path). The mask buffers are allocated by the first upload that builds them.
 enum class Masks : std::uint8_t { if_needed, always, skip };
 
-template <Layout L, Element T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
+// T: the element type of queries, K/V inputs and outputs, stored as is, or Fp8<In> (dtype.hpp):
+// inputs and outputs In, K and V stored as E4M3 codes with a scale per row-head.
+template <Layout L, KvElement T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
 class DeviceShard {
   static_assert(W::kDistinct <= kMaxWindows, "cellkv::gpu::DeviceShard: at most 8 distinct windows per model");
   static_assert(DeviceLayoutFor<L>, "cellkv::gpu::DeviceShard: the layout needs a gpu::DeviceLayout specialization");
@@ -60,10 +64,12 @@ class DeviceShard {
   using Rows = typename DeviceLayout<L>::Rows;
   struct NoTableKernels {};  // fp32 storage: the reference kernel only
   using TableKernels = std::conditional_t<kTableKernelElement<T>, TableAttention<T, Rows>, NoTableKernels>;
+  using In = InputOf<T>;
 
  public:
   using Host = KVCache<L, W, P, MaxSeqs>;
-  using Element = T;
+  using Element = In;  // queries, K/V inputs, outputs
+  using Storage = T;   // Element, or Fp8<Element>
   using Windows = W;
 
   // `host` must outlive the shard. shape: this shard's heads (H_kv and H_q of its slice).
@@ -119,7 +125,8 @@ class DeviceShard {
   static Result<Footprint> footprint(const CacheConfig& config, const PoolShape& shape, Masks masks = Masks::if_needed) {
     const bool reference = !table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv);
     const bool built = masks == Masks::always || (masks == Masks::if_needed && reference);
-    return device_footprint<Host>(config, shape, {sizeof(T), kTable && built, kTableKernelElement<T>});
+    const StorageBytes bytes = storage_bytes(kv_storage_of<T>());
+    return device_footprint<Host>(config, shape, {bytes.element, kTable && built, kTableKernelElement<T>, bytes.scale});
   }
 
   // How upload re-rotates the K rows seq_add / seq_div moved (key_rotation.cuh); bad_argument when
@@ -130,6 +137,15 @@ class DeviceShard {
     return {};
   }
   [[nodiscard]] bool key_rotation_set() const noexcept { return rotation_.set(); }
+
+  // fp8 caches: the scaling of later writes (fp8.hpp; per-row scales by default). bad_argument,
+  // nothing changed, for what check_fp8_config refuses (a static scale <= 0 or not finite, or not
+  // one {k, v} per layer). Rows written before keep their codes and scales.
+  Status set_fp8_config(Fp8Config config)
+    requires kFp8Kv<T>
+  {
+    return pool_.set_fp8_config(std::move(config));
+  }
 
   // True while this shard has applied (all or part of) the host's pending copies and re-rotations
   // and the host has not acknowledged them: a later upload of this shard does not run them again
@@ -195,20 +211,20 @@ class DeviceShard {
   }
 
   // Writes the step's K and V rows of `layer`: k, v [width, H_kv, D].
-  Status write(std::int32_t layer, const T* k, const T* v, std::int32_t tokens, ::cuda::stream_ref stream) const {
+  Status write(std::int32_t layer, const In* k, const In* v, std::int32_t tokens, ::cuda::stream_ref stream) const {
     if (const Status s = check_layer_call(layer, tokens); !s.ok()) return s;
-    return write_kv<T>(pool_.view(layer), k, v, bindings().cells, tokens, bindings().fault, stream);
+    return write_kv(pool_.view(layer), k, v, bindings().cells, tokens, bindings().fault, stream);
   }
 
   // Attention of `layer` through its window: q, out [width, H_q, D]; scale 0 = 1/sqrt(D).
-  Status attend(std::int32_t layer, const T* q, T* out, std::int32_t tokens, std::int32_t heads_q, float scale,
+  Status attend(std::int32_t layer, const In* q, In* out, std::int32_t tokens, std::int32_t heads_q, float scale,
                 ::cuda::stream_ref stream) const {
     if (const Status s = check_attend_args(layer, q, out, tokens, heads_q); !s.ok()) return s;
     return attend_buffer(W::buffer_of_layer(layer), layer, q, out, tokens, heads_q, scale, stream);
   }
 
   // write then attend: the operation every attention layer lowers to.
-  Status update_and_attend(std::int32_t layer, const T* q, const T* k, const T* v, T* out, std::int32_t tokens,
+  Status update_and_attend(std::int32_t layer, const In* q, const In* k, const In* v, In* out, std::int32_t tokens,
                            std::int32_t heads_q, float scale, ::cuda::stream_ref stream) const {
     if (const Status s = check_attend_args(layer, q, out, tokens, heads_q); !s.ok()) return s;
     if (const Status s = write(layer, k, v, tokens, stream); !s.ok()) return s;
@@ -218,7 +234,7 @@ class DeviceShard {
   // update_and_attend for a layer whose window is Window (checked at compile time to be in the
   // set, and at run time to be the layer's).
   template <std::int32_t Window>
-  Status update_and_attend(std::int32_t layer, const T* q, const T* k, const T* v, T* out, std::int32_t tokens,
+  Status update_and_attend(std::int32_t layer, const In* q, const In* k, const In* v, In* out, std::int32_t tokens,
                            std::int32_t heads_q, float scale, ::cuda::stream_ref stream) const {
     static_assert(W::buffer_of_window(Window) >= 0, "cellkv: no layer of this window set uses this window");
     if (layer < 0 || layer >= W::kLayers || W::window_of_layer(layer) != Window) return Errc::bad_argument;
@@ -267,18 +283,17 @@ class DeviceShard {
   }
 
   // Everything attend would refuse, checked before write so a refusal writes nothing.
-  [[nodiscard]] Status check_attend_args(std::int32_t layer, const T* q, const T* out, std::int32_t tokens,
+  [[nodiscard]] Status check_attend_args(std::int32_t layer, const In* q, const In* out, std::int32_t tokens,
                                          std::int32_t heads_q) const {
     if (const Status s = check_layer_call(layer, tokens); !s.ok()) return s;
     if (uploaded_table_kernels_ && heads_q != pool_.shape().heads_q) return Errc::bad_shape;
     if (kTable && !uploaded_table_kernels_ && !masks_filled_) return Errc::no_step_declared;
-    const AttentionArgs<T> a{q, const_view(layer), const_cast<T*>(out), tokens, heads_q, 0.f};
+    const AttentionArgs<In, StoredOf<T>> a{q, const_view(layer), const_cast<In*>(out), tokens, heads_q, 0.f};
     return detail::check_attention(a);
   }
 
-  [[nodiscard]] PoolView<const T> const_view(std::int32_t layer) const noexcept {
-    const PoolView<T> p = pool_.view(layer);
-    return {p.k, p.v, p.rows, p.heads_kv, p.head_dim};
+  [[nodiscard]] ReadView<StoredOf<T>> const_view(std::int32_t layer) const noexcept {
+    return read_only(pool_.view(layer));
   }
 
   [[nodiscard]] AttentionShape plan_shape() const noexcept {
@@ -288,16 +303,16 @@ class DeviceShard {
 
   [[nodiscard]] Rows rows() const noexcept { return DeviceLayout<L>::rows(host_, bindings()); }
 
-  Status attend_buffer(std::int32_t buffer, std::int32_t layer, const T* q, T* out, std::int32_t tokens,
+  Status attend_buffer(std::int32_t buffer, std::int32_t layer, const In* q, In* out, std::int32_t tokens,
                        std::int32_t heads_q, float scale, ::cuda::stream_ref stream) const {
     if constexpr (kTableKernelElement<T>)
       if (uploaded_table_kernels_)
         return table_->attend(buffer, W::kDistinctWindows[static_cast<std::size_t>(buffer)], q, out, const_view(layer),
                               rows(), bindings(), tokens_, tokens, counts_[static_cast<std::size_t>(buffer)], scale,
                               stream);
-    const AttentionArgs<T> a{q, const_view(layer), out, tokens, heads_q, scale};
-    if constexpr (kTable) return masked_sdpa<T>(a, mask(buffer), bindings().max_cells, bindings().read_len, stream);
-    else return range_sdpa<T>(a, bindings().ranges_of(buffer), bindings().read_len, stream);
+    const AttentionArgs<In, StoredOf<T>> a{q, const_view(layer), out, tokens, heads_q, scale};
+    if constexpr (kTable) return masked_sdpa(a, mask(buffer), bindings().max_cells, bindings().read_len, stream);
+    else return range_sdpa(a, bindings().ranges_of(buffer), bindings().read_len, stream);
   }
 
   // The pending row copies (forks of the sequence layout, copy-on-write cells of the cell layout),

@@ -9,6 +9,10 @@
 //   KeyRotation<T>::rope(specs)       one RopeSpec per layer (e.g. local and global bases)
 //   KeyRotation<T>::custom(kernel)    the caller's kernel, called once per layer and batch of up to
 //                                     4096 moved cells
+// T is the cache's element parameter (dtype.hpp). For Fp8<In> caches the built-in RoPE dequantizes
+// each moved row-head (codes x scale, in double), rotates it in double, rounds it to float and
+// quantizes it again with a fresh scale (per-row scaling; the layer's static scale otherwise), and a
+// custom kernel receives the layer's Fp8PoolView.
 #pragma once
 
 #include <cuda/stream_ref>
@@ -24,6 +28,8 @@
 
 #include "cellkv/gpu/dtype.hpp"
 #include "cellkv/gpu/error.hpp"
+#include "cellkv/gpu/kv_views.hpp"
+#include "cellkv/gpu/launch/dispatch.cuh"
 #include "cellkv/gpu/numeric.cuh"
 #include "cellkv/pool_view.hpp"
 #include "cellkv/rope.hpp"
@@ -34,12 +40,12 @@ namespace cellkv::gpu {
 
 // A caller's re-rotation of one layer: `rotations` is a device array of RowRotation (count <= 4096
 // entries, each cell at most once); K of row r, head h is pool.k + pool.offset(r, h), [head_dim]
-// elements. Runs on `stream`; a refusal must change nothing: it stops the upload (which reports
+// elements (an fp8 pool: codes and the row-head's scale, fp8_pool_view.hpp). Runs on `stream`; a refusal must change nothing: it stops the upload (which reports
 // it), and the next upload of the shard resumes with this call (the calls that succeeded are not
 // repeated).
-template <class T>
-using RotationKernel = std::function<Status(std::int32_t layer, const PoolView<T>& pool, const RowRotation* rotations,
-                                            std::int32_t count, ::cuda::stream_ref stream)>;
+template <KvElement T>
+using RotationKernel = std::function<Status(std::int32_t layer, const WriteView<StoredOf<T>>& pool,
+                                            const RowRotation* rotations, std::int32_t count, ::cuda::stream_ref stream)>;
 
 namespace kernels {
 
@@ -70,9 +76,34 @@ __global__ void rerotate_keys(PoolView<T> pool, const RowRotation* rotations, st
   }
 }
 
+// One thread per (rotation, KV head) of an fp8 pool: the row-head dequantized, rotated and quantized again.
+template <int D>
+__global__ void rerotate_keys_fp8(Fp8PoolView<Fp8E4M3> pool, const RowRotation* rotations, std::int32_t count,
+                                  RopeSpec spec) {
+  const std::int32_t pairs = spec.dims(D) / 2;
+  const std::int64_t total = static_cast<std::int64_t>(count) * pool.heads_kv;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const RowRotation r = rotations[i / pool.heads_kv];
+    const auto h = static_cast<std::int32_t>(i % pool.heads_kv);
+    Fp8E4M3* codes = pool.k + pool.offset(r.cell, h);
+    float& scale = pool.k_scale[pool.scale_offset(r.cell, h)];
+    double x[D];
+    dequantize_row_head(codes, D, scale, x);
+    for (std::int32_t pair = 0; pair < pairs; ++pair) {
+      std::int32_t a = 0, b = 0;
+      rope_elements(spec, D, pair, a, b);
+      rotate_pair(x[a], x[b], static_cast<double>(r.new_pos - r.old_pos) * rope_frequency(spec, D, pair));
+    }
+    float rounded[D];
+    for (int d = 0; d < D; ++d) rounded[d] = static_cast<float>(x[d]);
+    scale = quantize_row_head(rounded, D, pool.write_scale(false), codes);
+  }
+}
+
 }  // namespace kernels
 
-template <Element T>
+template <KvElement T>
 class KeyRotation {
  public:
   KeyRotation() = default;  // not set: seq_add / seq_div are refused
@@ -105,17 +136,27 @@ class KeyRotation {
   }
 
   // Re-rotates layer `layer`'s K rows named by the device array `rotations` (count entries).
-  [[nodiscard]] Status run(std::int32_t layer, const PoolView<T>& pool, const RowRotation* rotations, std::int32_t count,
-                           ::cuda::stream_ref stream) const {
+  [[nodiscard]] Status run(std::int32_t layer, const WriteView<StoredOf<T>>& pool, const RowRotation* rotations,
+                           std::int32_t count, ::cuda::stream_ref stream) const {
     if (count == 0 || kind_ == Kind::none) return {};
     if (kind_ == Kind::custom) return kernel_(layer, pool, rotations, count, stream);
     if (kind_ != Kind::rope) return Errc::no_key_rotation;
     const RopeSpec& spec = specs_.size() == 1 ? specs_[0] : specs_[static_cast<std::size_t>(layer)];
-    const std::int64_t threads = static_cast<std::int64_t>(count) * pool.heads_kv * (spec.dims(pool.head_dim) / 2);
-    const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((threads + 255) / 256, 4096));
-    kernels::rerotate_keys<T><<<blocks, 256, 0, stream.get()>>>(pool, rotations, count, spec);
-    CELLKV_CUDA_STATUS(cudaGetLastError());
-    return {};
+    if constexpr (kFp8Kv<T>) {
+      const std::int64_t threads = static_cast<std::int64_t>(count) * pool.heads_kv;
+      const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((threads + 127) / 128, 4096));
+      return dispatch_head_dim(pool.head_dim, [&](auto d) -> Status {
+        kernels::rerotate_keys_fp8<decltype(d)::value><<<blocks, 128, 0, stream.get()>>>(pool, rotations, count, spec);
+        CELLKV_CUDA_STATUS(cudaGetLastError());
+        return {};
+      });
+    } else {
+      const std::int64_t threads = static_cast<std::int64_t>(count) * pool.heads_kv * (spec.dims(pool.head_dim) / 2);
+      const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((threads + 255) / 256, 4096));
+      kernels::rerotate_keys<T><<<blocks, 256, 0, stream.get()>>>(pool, rotations, count, spec);
+      CELLKV_CUDA_STATUS(cudaGetLastError());
+      return {};
+    }
   }
 
  private:

@@ -44,7 +44,7 @@
 
 namespace cellkv::gpu {
 
-template <Layout L, Element T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
+template <Layout L, KvElement T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
 class ShardedCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, ShardedCache<L, T, W, P, MaxSeqs>> {
   using Planning = PlanningVerbs<KVCache<L, W, P, MaxSeqs>, ShardedCache>;
   friend Planning;
@@ -52,7 +52,8 @@ class ShardedCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, ShardedCach
  public:
   using Shard = DeviceShard<L, T, W, P, MaxSeqs>;
   using Host = typename Shard::Host;
-  using Element = T;
+  using Element = InputOf<T>;  // queries, K/V inputs, outputs
+  using Storage = T;           // Element, or Fp8<Element> (dtype.hpp)
   using Windows = W;
 
   // devices: the device of each shard (G = devices.size(); a device may repeat). model: the whole
@@ -122,6 +123,16 @@ class ShardedCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, ShardedCach
   Status set_key_rotation(const KeyRotation<T>& rotation) {
     if (const Status s = rotation.check(model_.layers, model_.head_dim); !s.ok()) return s;
     for (auto& s : shards_) (void)s->set_key_rotation(rotation);
+    return {};
+  }
+
+  // fp8 caches: the scaling of every shard's later writes (DeviceShard::set_fp8_config); refused
+  // (bad_argument) for all or none.
+  Status set_fp8_config(const Fp8Config& config)
+    requires kFp8Kv<T>
+  {
+    if (const Status s = check_fp8_config(config, model_.layers); !s.ok()) return s;
+    for (auto& s : shards_) (void)s->set_fp8_config(config);
     return {};
   }
 

@@ -8,6 +8,9 @@
 // warp w sweeps rows begin + w, begin + w + 4, ...; each lane holds D / 32 elements of every query
 // head, a row's dot product is a warp reduction, and each warp keeps an online softmax that the
 // block merges at the end. A token that sees nothing writes zeros.
+//
+// fp8 pools (S = Fp8E4M3): K and V elements read decode(code) x the row-head's scale, in fp32
+// (fp8.hpp dequantize_row_head), so the kernel stays the oracle of the fp8 table kernels.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,6 +19,8 @@
 #include <cstdint>
 
 #include "cellkv/gpu/numeric.cuh"
+#include "cellkv/fp8.hpp"
+#include "cellkv/gpu/kv_views.hpp"
 #include "cellkv/pool_view.hpp"
 
 namespace cellkv::gpu::kernels {
@@ -23,10 +28,11 @@ namespace cellkv::gpu::kernels {
 inline constexpr int kRefWarps = 4;
 inline constexpr int kRefHeads = 8;
 
-template <class T>
+// T: queries and outputs; S: the pool's elements (T, or Fp8E4M3 codes with scales).
+template <class T, class S = T>
 struct AttentionArgs {
   const T* q = nullptr;        // [tokens, heads_q, D]
-  PoolView<const T> pool;      // [rows, heads_kv, D] each
+  ReadView<S> pool;            // [rows, heads_kv, D] each
   T* out = nullptr;            // [tokens, heads_q, D]
   std::int32_t tokens = 0;
   std::int32_t heads_q = 0;
@@ -39,8 +45,24 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-template <class T, int D, class Vis>
-__global__ void __launch_bounds__(kRefWarps * 32) reference_attention(AttentionArgs<T> a, Vis vis) {
+// E elements [d0, d0 + E) of K and V of (row, head) as floats.
+template <int E, class T>
+__device__ __forceinline__ void load_kv(const PoolView<const T>& pool, std::int64_t row, int head, int d0, float (&k)[E],
+                                        float (&v)[E]) {
+  const std::int64_t off = pool.offset(row, head) + d0;
+#pragma unroll
+  for (int e = 0; e < E; ++e) k[e] = to_float(pool.k[off + e]), v[e] = to_float(pool.v[off + e]);
+}
+template <int E>
+__device__ __forceinline__ void load_kv(const Fp8PoolView<const Fp8E4M3>& pool, std::int64_t row, int head, int d0,
+                                        float (&k)[E], float (&v)[E]) {
+  const std::int64_t off = pool.offset(row, head) + d0, so = pool.scale_offset(row, head);
+  dequantize_row_head(pool.k + off, E, pool.k_scale[so], k);
+  dequantize_row_head(pool.v + off, E, pool.v_scale[so], v);
+}
+
+template <class T, int D, class Vis, class S = T>
+__global__ void __launch_bounds__(kRefWarps * 32) reference_attention(AttentionArgs<T, S> a, Vis vis) {
   constexpr int E = D / 32;  // elements per lane
   const int t = blockIdx.x;
   const int group = a.heads_q / a.pool.heads_kv;
@@ -66,14 +88,8 @@ __global__ void __launch_bounds__(kRefWarps * 32) reference_attention(AttentionA
   const std::int64_t hi = vis.end(t);
   for (std::int64_t c = vis.begin(t) + warp; c < hi; c += kRefWarps) {
     if (!vis.visible(t, c)) continue;
-    const T* kr = a.pool.k + a.pool.offset(c, hk) + lane * E;
-    const T* vr = a.pool.v + a.pool.offset(c, hk) + lane * E;
     float kf[E], vf[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      kf[e] = to_float(kr[e]);
-      vf[e] = to_float(vr[e]);
-    }
+    load_kv<E>(a.pool, c, hk, lane * E, kf, vf);
 #pragma unroll
     for (int h = 0; h < kRefHeads; ++h) {
       if (h >= nh) break;

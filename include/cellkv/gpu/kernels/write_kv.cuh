@@ -12,6 +12,9 @@
 
 #include <cstdint>
 
+#include "cellkv/fp8.hpp"
+#include "cellkv/fp8_pool_view.hpp"
+#include "cellkv/gpu/numeric.cuh"
 #include "cellkv/gpu/step_views.hpp"
 #include "cellkv/pool_view.hpp"
 
@@ -41,6 +44,37 @@ __global__ void write_kv(PoolView<T> pool, const T* __restrict__ k, const T* __r
     const uint4* src = reinterpret_cast<const uint4*>(is_v ? v : k) + j;
     uint4* dst = reinterpret_cast<uint4*>(is_v ? pool.v : pool.k) + row * row_vecs + vec;
     *dst = *src;
+  }
+}
+
+// k, v: [tokens, H_kv, D] of T (bf16 / fp16). Block: any multiple of 32 threads; grid-stride over
+// warps. D is 64, 128 or 256 (each lane quantizes D / 32 consecutive elements).
+template <int D, class T>
+__global__ void write_kv_fp8(Fp8PoolView<Fp8E4M3> pool, const T* __restrict__ k, const T* __restrict__ v,
+                             const std::int64_t* __restrict__ cells, std::int32_t tokens, std::uint32_t* fault) {
+  constexpr int E = D / 32;
+  const int lane = threadIdx.x % 32;
+  const std::int64_t heads = static_cast<std::int64_t>(tokens) * pool.heads_kv;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (std::int64_t w = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) / 32; w < 2 * heads; w += warps) {
+    const bool is_v = w >= heads;
+    const std::int64_t j = is_v ? w - heads : w;  // token * H_kv + head
+    const std::int64_t t = j / pool.heads_kv;
+    const auto h = static_cast<std::int32_t>(j % pool.heads_kv);
+    const std::int64_t row = checked_row(cells[t], pool.rows, fault, lane == 0);
+    const T* src = (is_v ? v : k) + j * D + lane * E;
+    float x[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = to_float(src[e]);
+    float amax = row_head_amax(x, E);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const float fixed = pool.write_scale(is_v);
+    const float scale = fixed > 0.0f ? fixed : per_row_scale(amax);
+    Fp8E4M3* dst = (is_v ? pool.v : pool.k) + pool.offset(row, h) + lane * E;
+#pragma unroll
+    for (int e = 0; e < E; ++e) dst[e] = Fp8E4M3{quantize_e4m3(x[e], scale)};
+    if (lane == 0) (is_v ? pool.v_scale : pool.k_scale)[pool.scale_offset(row, h)] = scale;
   }
 }
 

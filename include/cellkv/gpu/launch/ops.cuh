@@ -24,9 +24,10 @@
 
 namespace cellkv::gpu {
 
-// Arguments of an attention launch; scale 0 means 1 / sqrt(head_dim).
-template <class T>
-using AttentionArgs = kernels::AttentionArgs<T>;
+// Arguments of an attention launch; scale 0 means 1 / sqrt(head_dim). S: the pool's elements (T,
+// or Fp8E4M3 for an fp8 pool).
+template <class T, class S = T>
+using AttentionArgs = kernels::AttentionArgs<T, S>;
 
 namespace detail {
 
@@ -43,8 +44,14 @@ Status check_pool(const PoolView<T>& pool) {
   return {};
 }
 
-template <class T>
-Status check_attention(const AttentionArgs<T>& a) {
+template <class C>
+Status check_pool(const Fp8PoolView<C>& pool) {
+  if (const Status s = check_pool(PoolView<C>{pool.k, pool.v, pool.rows, pool.heads_kv, pool.head_dim}); !s.ok()) return s;
+  return pool.k_scale == nullptr || pool.v_scale == nullptr ? Status{Errc::bad_argument} : Status{};
+}
+
+template <class T, class S>
+Status check_attention(const AttentionArgs<T, S>& a) {
   if (a.tokens < 1) return Errc::bad_shape;
   if (a.heads_q < 1 || a.pool.heads_kv < 1 || a.heads_q % a.pool.heads_kv != 0) return Errc::bad_head_ratio;
   if (const Status s = check_pool(a.pool); !s.ok()) return s;
@@ -62,14 +69,14 @@ inline std::int64_t reference_grid_y(std::int32_t heads_q, std::int32_t heads_kv
 }
 inline constexpr std::int64_t kMaxGridY = 65535;
 
-template <class T, class Vis>
-Status launch_reference_attention(AttentionArgs<T> a, Vis vis, ::cuda::stream_ref stream) {
+template <class T, class S, class Vis>
+Status launch_reference_attention(AttentionArgs<T, S> a, Vis vis, ::cuda::stream_ref stream) {
   if (a.scale == 0.f) a.scale = 1.f / std::sqrt(static_cast<float>(a.pool.head_dim));
   const std::int64_t blocks_y = reference_grid_y(a.heads_q, a.pool.heads_kv);
   if (blocks_y > kMaxGridY) return Errc::bad_shape;
   const dim3 grid(static_cast<unsigned>(a.tokens), static_cast<unsigned>(blocks_y));
   return dispatch_head_dim(a.pool.head_dim, [&](auto d) {
-    kernels::reference_attention<T, decltype(d)::value, Vis><<<grid, kernels::kRefWarps * 32, 0, stream.get()>>>(a, vis);
+    kernels::reference_attention<T, decltype(d)::value, Vis, S><<<grid, kernels::kRefWarps * 32, 0, stream.get()>>>(a, vis);
     return last_launch();
   });
 }
@@ -99,6 +106,23 @@ Status write_kv(PoolView<T> pool, const T* k, const T* v, const std::int64_t* ce
   return detail::last_launch();
 }
 
+// write_kv into an fp8 pool: each row-head of k and v ([tokens, H_kv, D] of T) quantized with the
+// pool's scaling (fp8.hpp), its codes and scale stored at row cells[t]; rows as write_kv above.
+template <Element T>
+Status write_kv(Fp8PoolView<Fp8E4M3> pool, const T* k, const T* v, const std::int64_t* cells, std::int32_t tokens,
+                std::uint32_t* fault, ::cuda::stream_ref stream) {
+  if (tokens < 1) return Errc::bad_shape;
+  if (const Status s = detail::check_pool(pool); !s.ok()) return s;
+  if (k == nullptr || v == nullptr || cells == nullptr) return Errc::bad_argument;
+  if (!detail::aligned16(k) || !detail::aligned16(v)) return Errc::misaligned_pointer;
+  const std::int64_t warps = 2 * static_cast<std::int64_t>(tokens) * pool.heads_kv;
+  const auto blocks = static_cast<unsigned>(std::clamp<std::int64_t>((warps + 7) / 8, 1, 4096));
+  return dispatch_head_dim(pool.head_dim, [&](auto d) {
+    kernels::write_kv_fp8<decltype(d)::value, T><<<blocks, 256, 0, stream.get()>>>(pool, k, v, cells, tokens, fault);
+    return detail::last_launch();
+  });
+}
+
 // write_kv without a fault word: a row outside the pool still goes to the scratch row, unreported.
 template <Element T>
 Status write_kv(PoolView<T> pool, const T* k, const T* v, const std::int64_t* cells, std::int32_t tokens,
@@ -108,8 +132,8 @@ Status write_kv(PoolView<T> pool, const T* k, const T* v, const std::int64_t* ce
 
 // The mask contract (docs/design.md section 6): token t sees row c iff mask[t * mask_row_stride + c], for c below
 // the device-side bound *kv_len (read on the device, so it may change under graph replay).
-template <Element T>
-Status masked_sdpa(const AttentionArgs<T>& args, const bool* mask, std::int64_t mask_row_stride,
+template <Element T, class S = T>
+Status masked_sdpa(const AttentionArgs<T, S>& args, const bool* mask, std::int64_t mask_row_stride,
                    const std::int64_t* kv_len, ::cuda::stream_ref stream) {
   if (const Status s = detail::check_attention(args); !s.ok()) return s;
   if (mask == nullptr || kv_len == nullptr) return Errc::bad_argument;
@@ -120,8 +144,8 @@ Status masked_sdpa(const AttentionArgs<T>& args, const bool* mask, std::int64_t 
 
 // Attention over per-token row ranges: token t sees rows [max(ranges[t].begin, 0),
 // min(ranges[t].end, *kv_len, pool.rows)) (ranges and kv_len are device data, clamped on the device).
-template <Element T>
-Status range_sdpa(const AttentionArgs<T>& args, const RowRange* ranges, const std::int64_t* kv_len,
+template <Element T, class S = T>
+Status range_sdpa(const AttentionArgs<T, S>& args, const RowRange* ranges, const std::int64_t* kv_len,
                   ::cuda::stream_ref stream) {
   if (const Status s = detail::check_attention(args); !s.ok()) return s;
   if (ranges == nullptr || kv_len == nullptr) return Errc::bad_argument;

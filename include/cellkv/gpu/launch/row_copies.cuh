@@ -6,6 +6,7 @@
 //     copy reads or writes a row an earlier copy of the run writes, or writes a row an earlier copy
 //     reads, as one kernel launch for every layer and both tensors: a context shift of a forked
 //     sequence copies thousands of cells, which would otherwise be 2 x layers API calls each.
+// An fp8 pool's scales move with its codes (a second launch over the scale tensors).
 #pragma once
 
 #include <cuda/stream_ref>
@@ -51,7 +52,7 @@ class RowCopier {
   static constexpr std::size_t kWave = 4096;  // one-row copies per launch at most
 
   // Runs `copies` in order on `stream`; bad_argument (nothing run) for a copy outside the pool.
-  template <Layout L, Element T>
+  template <Layout L, KvElement T>
   Status run(const KVPool<L, T>& pool, std::span<const RowCopy> copies, ::cuda::stream_ref stream) {
     for (const RowCopy& c : copies)
       if (c.rows < 0 || c.src_row < 0 || c.dst_row < 0 || c.src_row + c.rows > pool.rows() ||
@@ -84,7 +85,7 @@ class RowCopier {
     return i;
   }
 
-  template <Layout L, Element T>
+  template <Layout L, KvElement T>
   Status launch(const KVPool<L, T>& pool, std::span<const RowCopy> wave, ::cuda::stream_ref stream) {
     if (list_.size() == 0) {
       try {
@@ -95,12 +96,22 @@ class RowCopier {
     }
     // Pageable source: the copy is staged before cudaMemcpyAsync returns, so the host list may change.
     CELLKV_CUDA_STATUS(cudaMemcpyAsync(list_.data(), wave.data(), wave.size_bytes(), cudaMemcpyHostToDevice, stream.get()));
-    const PoolView<T> first = pool.view(0);
+    const auto first = pool.view(0);
     const std::int32_t tensors = 2 * pool.shape().layers;
-    const std::int64_t elems = static_cast<std::int64_t>(wave.size()) * tensors * pool.row_elems();
+    const auto count = static_cast<std::int32_t>(wave.size());
+    if (const Status s = copy_wave(first.k, first.v - first.k, tensors, pool.row_elems(), count, stream); !s.ok()) return s;
+    if constexpr (kFp8Kv<T>)
+      return copy_wave(first.k_scale, first.v_scale - first.k_scale, tensors, pool.shape().heads_kv, count, stream);
+    return {};
+  }
+
+  // The wave's copies in every tensor of `tensors` (first at `storage`, `stride` elements apart).
+  template <class E>
+  Status copy_wave(E* storage, std::int64_t stride, std::int32_t tensors, std::int64_t row_elems, std::int32_t count,
+                   ::cuda::stream_ref stream) const {
+    const std::int64_t elems = static_cast<std::int64_t>(count) * tensors * row_elems;
     const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((elems + 255) / 256, 4096));
-    kernels::copy_single_rows<T><<<blocks, 256, 0, stream.get()>>>(first.k, first.v - first.k, tensors, pool.row_elems(),
-                                                                  list_.data(), static_cast<std::int32_t>(wave.size()));
+    kernels::copy_single_rows<E><<<blocks, 256, 0, stream.get()>>>(storage, stride, tensors, row_elems, list_.data(), count);
     CELLKV_CUDA_STATUS(cudaGetLastError());
     return {};
   }
