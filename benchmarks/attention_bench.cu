@@ -4,7 +4,8 @@
 // table on stderr. Not a test.
 //
 //   decode  N x L: N sequences holding L cells each, one new token per sequence; effective TB/s =
-//           live K+V bytes (N L H_kv D 2 bytes x 2) / time of one attention call (write excluded)
+//           live K+V bytes (N L H_kv D 2 bytes x 2) / time of one attention call (write excluded);
+//           for the fp8 cache (impl cellkv_cell_fp8) the same bf16 bytes: bf16-equivalent TB/s
 //   prefill N x L: one step of N sequences x L tokens, causal; useful TFLOP/s = 4 N L(L+1)/2 H_q D / time
 //   decode_forks N x 4k_shared: one 4,096-token prompt and N - 1 forks, one new token each; logical
 //           TB/s = N x 4,097 rows of K+V / time (with and without prefix sharing)
@@ -77,6 +78,10 @@ struct BenchCache {
               {.layers = 1, .heads_kv = kHkv, .head_dim = kD, .heads_q = kHq}) {
     const auto storage = cache.pool().storage();
     randomize(storage.data(), storage.size(), 3);
+    if constexpr (gpu::kFp8Kv<typename Cache::Storage>) {
+      const auto scales = cache.pool().scale_storage();
+      bench::fill_scales(scales.data(), scales.size(), 0.5f);  // values below 1, as the bf16 pools hold
+    }
   }
 };
 
@@ -184,6 +189,7 @@ int main(int argc, char** argv) {
   using Clustered = gpu::DeviceCache<layout::cell, bf16, Model, placement::clustered<64>>;
   using Lowest = gpu::DeviceCache<layout::cell, bf16, Model, placement::lowest_free>;
   using Slots = gpu::DeviceCache<layout::sequence, bf16, Model>;
+  using Fp8Clustered = gpu::DeviceCache<layout::cell, gpu::Fp8<bf16>, Model, placement::clustered<64>>;
   const std::pair<std::int32_t, std::int32_t> decode[] = {{1, 32768}, {16, 4096}, {64, 2048}, {256, 1024}};
   const std::pair<std::int32_t, std::int32_t> prefill[] = {{1, 8192}, {8, 1024}, {4, 4096}};
   std::fprintf(stderr, "cellkv attention benchmark: bf16, H_q %d, H_kv %d, D %d, one layer\n", kHq, kHkv, kD);
@@ -192,6 +198,7 @@ int main(int argc, char** argv) {
       bench_decode<Clustered>(o, "cellkv_cell_clustered", n, len);
       bench_decode<Slots>(o, "cellkv_sequence", n, len);
       bench_decode<Lowest>(o, "cellkv_cell_lowest_free", n, len);
+      bench_decode<Fp8Clustered>(o, "cellkv_cell_fp8", n, len);
       if (!o.quick) bench_decode<Clustered>(o, "cellkv_cell_masked_reference", n, len, true);
     }
     for (const std::int32_t n : {16, 64, 128}) {
@@ -201,6 +208,7 @@ int main(int argc, char** argv) {
     for (const auto& [n, len] : prefill) {
       bench_prefill<Clustered>(o, "cellkv_cell_clustered", n, len);
       bench_prefill<Slots>(o, "cellkv_sequence", n, len);
+      bench_prefill<Fp8Clustered>(o, "cellkv_cell_fp8", n, len);
     }
     bench_overhead(o);
   } catch (const std::exception& e) {

@@ -2,6 +2,7 @@
 // names of the report. Benchmarks are timing programs, never tests.
 #pragma once
 
+#include <cellkv/fp8.hpp>
 #include <cellkv/gpu/error.hpp>
 #include <cellkv/gpu/stream.hpp>
 
@@ -28,6 +29,26 @@ __global__ void fill_random_kernel(__nv_bfloat16* p, std::size_t n, std::uint32_
 inline void randomize(__nv_bfloat16* p, std::size_t n, std::uint32_t seed) {
   fill_random_kernel<<<1024, 256>>>(p, n, seed);
   CELLKV_CUDA_THROW(cudaGetLastError());
+}
+
+__global__ void fill_codes_kernel(Fp8E4M3* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 13, x *= 0x5bd1e995u, x ^= x >> 15;
+    const auto code = static_cast<std::uint8_t>(x & 0xBF);  // |value| < 2 (exponent field < 8): never NaN
+    p[i] = Fp8E4M3{code};
+  }
+}
+
+// n E4M3 codes of magnitude below 2, a hash of (index, seed), and their scales set to `scale`.
+inline void randomize(Fp8E4M3* p, std::size_t n, std::uint32_t seed) {
+  fill_codes_kernel<<<1024, 256>>>(p, n, seed);
+  CELLKV_CUDA_THROW(cudaGetLastError());
+}
+inline void fill_scales(float* p, std::size_t n, float scale) {
+  std::vector<float> host(n, scale);
+  CELLKV_CUDA_THROW(cudaMemcpy(p, host.data(), n * sizeof(float), cudaMemcpyHostToDevice));
 }
 
 // Median milliseconds of one call of f(): `samples` samples of `reps` back-to-back calls, after

@@ -30,15 +30,20 @@ inline constexpr std::int32_t kPrefillRows = 64;  // query rows of a prefill ite
 inline constexpr std::int32_t kPrefillTile = 64;  // positions per KV tile of the prefill kernel
 inline constexpr std::int32_t kMinDecodeChunk = 1;  // a decode worker takes at least this many tiles
 
-// Positions per KV tile of the decode kernel for a head dim: CELLKV_DECODE_TILE_BYTES (4 KB) of K
-// (and of V) per tile, at least 16: 32, 16 and 16 positions for D = 64, 128 and 256. Each divides
-// kPagePositions.
+// Positions per KV tile of the decode kernel for a head dim and the bytes of a stored element:
+// CELLKV_DECODE_TILE_BYTES (4 KB) of K (and of V) per tile for bf16 / fp16 (32, 16 and 16
+// positions for D = 64, 128 and 256), CELLKV_DECODE_FP8_TILE_BYTES for fp8 codes (1 byte); at
+// least 16 and at most 64 positions, so each divides kPagePositions.
 #ifndef CELLKV_DECODE_TILE_BYTES
 #define CELLKV_DECODE_TILE_BYTES 4096
 #endif
-constexpr std::int32_t decode_tile_positions(std::int32_t head_dim) noexcept {
-  const std::int32_t n = CELLKV_DECODE_TILE_BYTES / (2 * head_dim);
-  return n < 16 ? 16 : n;
+#ifndef CELLKV_DECODE_FP8_TILE_BYTES
+#define CELLKV_DECODE_FP8_TILE_BYTES 4096
+#endif
+constexpr std::int32_t decode_tile_positions(std::int32_t head_dim, std::int32_t element_bytes = 2) noexcept {
+  const std::int32_t bytes = element_bytes == 1 ? CELLKV_DECODE_FP8_TILE_BYTES : CELLKV_DECODE_TILE_BYTES;
+  const std::int32_t n = bytes / (element_bytes * head_dim);
+  return n < 16 ? 16 : n > 64 ? 64 : n;
 }
 
 struct TileSpan {

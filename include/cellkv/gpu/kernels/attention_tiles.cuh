@@ -116,6 +116,15 @@ struct RowState {
   // Scores s (in log2 units, -inf where invisible) -> probabilities in place; rescales o.
   template <int NT>
   __device__ __forceinline__ void absorb(float (&s)[NT][4]) {
+    float corr[2];
+    to_probabilities(s, corr);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) rescale(h, corr[h]);
+  }
+  // absorb without touching o: corr[h] is the factor o's row h must take (the old maximum's weight
+  // under the new one).
+  template <int NT>
+  __device__ __forceinline__ void to_probabilities(float (&s)[NT][4], float (&corr)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
@@ -123,7 +132,7 @@ struct RowState {
       for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
       const float m_new = fmaxf(m[h], quad_max(mx));
       const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing yet
-      const float corr = fast_exp2(m[h] - base);
+      corr[h] = fast_exp2(m[h] - base);
       float sum = 0.f;
 #pragma unroll
       for (int n = 0; n < NT; ++n)
@@ -132,11 +141,14 @@ struct RowState {
           s[n][e] = fast_exp2(s[n][e] - base);
           sum += s[n][e];
         }
-      l[h] = l[h] * corr + sum;
+      l[h] = l[h] * corr[h] + sum;
       m[h] = m_new;
-#pragma unroll
-      for (int d = 0; d < D / 8; ++d) o[d][2 * h] *= corr, o[d][2 * h + 1] *= corr;
     }
+  }
+  // o's row h (this lane's row lane / 4 + 8 h) times f.
+  __device__ __forceinline__ void rescale(int h, float f) {
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d) o[d][2 * h] *= f, o[d][2 * h + 1] *= f;
   }
 };
 
@@ -197,10 +209,11 @@ struct AbsentMasks {
 // Scores of a tile -> log2 units; -inf where the row may not see the column or the column is
 // absent (bit c of `absent`). Row r of the 16 sits at query position qpos(r) (rows >= `rows` see
 // nothing); column c holds key position key0 + c. With `full`, every row < rows sees every column's
-// position (the caller checked the tile's range).
-template <int NT, class QPos>
+// position (the caller checked the tile's range). scale(h, n, e): the factor of score s[n][e], whose
+// row is lane / 4 + 8 h (fp8 tiles: a row and a column scale; else scale * log2(e)).
+template <int NT, class QPos, class Scale>
 __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int rows, QPos&& qpos, int key0, int window, bool full,
-                                          std::uint64_t absent, float scale_log2, int lane) {
+                                          std::uint64_t absent, Scale&& scale, int lane) {
   static_assert(NT * 8 <= 64, "absent masks cover 64 columns");
   const bool whole = full && absent == 0;  // every row < rows sees every column
 #pragma unroll
@@ -215,9 +228,14 @@ __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int rows, QPos&& qp
       for (int e = 2 * e2; e < 2 * e2 + 2; ++e) {
         const int col = n * 8 + (lane & 3) * 2 + (e & 1), key = key0 + col;
         const bool ok = row_ok && (whole || (seen.contains(key) && ((absent >> col) & 1) == 0));
-        s[n][e] = ok ? s[n][e] * scale_log2 : -INFINITY;
+        s[n][e] = ok ? s[n][e] * scale(e2, n, e) : -INFINITY;
       }
   }
+}
+template <int NT, class QPos>
+__device__ __forceinline__ void mask_tile(float (&s)[NT][4], int rows, QPos&& qpos, int key0, int window, bool full,
+                                          std::uint64_t absent, float scale_log2, int lane) {
+  mask_tile<NT>(s, rows, qpos, key0, window, full, absent, [=](int, int, int) { return scale_log2; }, lane);
 }
 
 }  // namespace cellkv::gpu::kernels

@@ -28,6 +28,7 @@
 
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/gpu/kernels/attention_tiles.cuh"
+#include "cellkv/gpu/kernels/fp8_tiles.cuh"
 #include "cellkv/gpu/kernels/layer_args.cuh"
 #include "cellkv/gpu/kernels/mma.cuh"
 #include "cellkv/gpu/numeric.cuh"
@@ -41,16 +42,21 @@ namespace cellkv::gpu::kernels {
 inline constexpr int kMergeFanIn = 8;   // parts one merge combines
 inline constexpr int kMergeLevels = 4;  // up to 8^4 parts per pair
 
-// Geometry of a decode tile for head dim D (decode_tile_positions(D) positions of K and of V).
-template <int D>
+// Geometry of a decode tile for head dim D and stored elements of Bytes bytes (2: bf16 / fp16; 1:
+// fp8 codes): decode_tile_positions(D, Bytes) positions of K and of V.
+template <int D, int Bytes = 2>
 struct DecodeTile {
-  static constexpr int kPositions = decode_tile_positions(D);
-  static constexpr int kChunks = D / 8;                          // 16-byte chunks per row
-  static constexpr int kIds = (kPositions + 31) / 32;            // row ids each lane holds
-  static constexpr int kLoads = kPositions * kChunks / 32;       // copies per lane per tensor
-  static constexpr int kRowStep = 32 / kChunks;                  // rows between a lane's copies
-  static constexpr std::uint32_t kBytes = kPositions * D * 2;    // one tensor's tile
-  static constexpr int kNT = kPositions / 8;                     // MMA n-tiles of the scores
+  static constexpr bool kFp8 = Bytes == 1;
+  static constexpr int kPositions = decode_tile_positions(D, Bytes);
+  static constexpr int kChunks = D * Bytes / 16;                   // 16-byte chunks per stored row-head
+  static constexpr int kIds = (kPositions + 31) / 32;              // row ids each lane holds
+  static constexpr int kLoads = kPositions * kChunks / 32;         // copies per lane per tensor
+  static constexpr int kRowStep = 32 / kChunks;                    // rows between a lane's copies
+  static constexpr std::uint32_t kBytes = kPositions * D * Bytes;  // one tensor's staged tile
+  static constexpr std::uint32_t kScaleBytes = kFp8 ? kPositions * 4 : 0;  // one tensor's scales
+  static constexpr std::uint32_t kStageBytes = 2 * (kBytes + kScaleBytes);
+  static constexpr std::uint32_t kComputeBytes = kFp8 ? kPositions * D * 2 : 0;  // the fp16 tile codes become
+  static constexpr int kNT = kPositions / 8;                       // MMA n-tiles of the scores
   static_assert(kPagePositions % kPositions == 0 && kPositions % 16 == 0 && kLoads * 32 == kPositions * kChunks);
 };
 
@@ -58,19 +64,23 @@ struct DecodeTile {
 template <int D>
 inline constexpr bool kQueryInRegisters = D <= 128;
 
-// Per warp: `stages` x (K tile, V tile), and for D = 256 the query tile; 128-byte aligned.
-constexpr int decode_warp_smem_bytes(int head_dim, int stages) {
-  const int tile = decode_tile_positions(head_dim) * head_dim * 2;
+// Per warp: `stages` x (K tile, V tile; fp8: then the K scales and V scales), for fp8 the fp16 tile
+// the codes are converted into, and for D = 256 the query tile; 128-byte aligned.
+constexpr int decode_warp_smem_bytes(int head_dim, int stages, int element_bytes = 2) {
+  const int positions = decode_tile_positions(head_dim, element_bytes);
+  const bool fp8 = element_bytes == 1;
+  const int stage = 2 * (positions * head_dim * element_bytes + (fp8 ? positions * 4 : 0));
+  const int compute = fp8 ? positions * head_dim * 2 : 0;
   const int query = head_dim <= 128 ? 0 : kDecodeRows * head_dim * 2;
-  return (stages * 2 * tile + query + 127) / 128 * 128;
+  return (stages * stage + compute + query + 127) / 128 * 128;
 }
-template <int D, int Stages, int Warps>
+template <int D, int Stages, int Warps, int Bytes = 2>
 constexpr int decode_smem_bytes() {
-  return Warps * decode_warp_smem_bytes(D, Stages);
+  return Warps * decode_warp_smem_bytes(D, Stages, Bytes);
 }
 
-template <class T, class Rows>
-struct DecodeArgs : LayerArgs<T, Rows> {
+template <class T, class Rows, class S = T>
+struct DecodeArgs : LayerArgs<T, Rows, S> {
   const std::int32_t* tokens = nullptr;  // T on the device
   std::int32_t width = 0;
   float* partial_o = nullptr;            // [slots][kDecodeRows][D]
@@ -157,9 +167,9 @@ struct TileRef {
 // the page (a directory read) of the tile two ahead, then the row ids (page entries) of the tile
 // one ahead; `ids[0]` belongs to `next[0]`, the tile to issue now. Register arrays only, indexed
 // by constants (the pipeline shifts by copies).
-template <int D, class Rows>
+template <int D, class Rows, int Bytes>
 struct RowFetch {
-  using G = DecodeTile<D>;
+  using G = DecodeTile<D, Bytes>;
   TileRef next[3];
   int ids[2][G::kIds];
   typename Rows::Tile page2;  // page of next[2]
@@ -214,30 +224,47 @@ struct RowFetch {
   }
 };
 
-// One warp's ring of KV stages in shared memory (swizzled tiles), filled by 16-byte cp.async
-// copies gathered through the tile's row ids (-1: a row nobody sees, zero-filled); one commit
-// group per ring slot, in ring order.
-template <int D, int Stages>
+// One warp's ring of KV stages in shared memory, filled by 16-byte cp.async copies gathered
+// through the tile's row ids (-1: a row nobody sees, zero-filled); one commit group per ring slot,
+// in ring order. bf16 / fp16: swizzled tiles the MMA reads. fp8: rows of codes (unswizzled, D bytes
+// each) that convert_codes turns into the fp16 tile after the stages, and each row's K and V scale.
+template <int D, int Stages, int Bytes = 2>
 struct StageRing {
-  using G = DecodeTile<D>;
+  using G = DecodeTile<D, Bytes>;
   std::uint32_t base;  // shared address of stage 0's K tile
 
-  __device__ std::uint32_t k(int s) const { return base + static_cast<std::uint32_t>(s) * 2 * G::kBytes; }
+  __device__ std::uint32_t k(int s) const { return base + static_cast<std::uint32_t>(s) * G::kStageBytes; }
   __device__ std::uint32_t v(int s) const { return k(s) + G::kBytes; }
+  __device__ std::uint32_t k_scales(int s) const { return k(s) + 2 * G::kBytes; }  // fp8: [kPositions] fp32
+  __device__ std::uint32_t v_scales(int s) const { return k_scales(s) + G::kScaleBytes; }
+  // fp8: the fp16 tile a stage's K (then V) codes are converted into, after the stages.
+  __device__ std::uint32_t compute() const { return base + Stages * G::kStageBytes; }
+  // The query tile (D = 256), after everything else.
+  __device__ std::uint32_t query() const { return compute() + G::kComputeBytes; }
 
-  template <class T>
-  __device__ __forceinline__ void issue(int s, const PoolView<const T>& pool, int hk, const int (&ids)[G::kIds],
-                                        int lane) const {
+  template <class Pool>
+  __device__ __forceinline__ void issue(int s, const Pool& pool, int hk, const int (&ids)[G::kIds], int lane) const {
+    constexpr int kElemsPerChunk = 16 / Bytes;
     const int chunk = lane % G::kChunks;
     const std::uint64_t policy = evict_first_policy();  // K/V is read once per step
 #pragma unroll
     for (int i = 0; i < G::kLoads; ++i) {
       const int r = lane / G::kChunks + i * G::kRowStep;
       const int id = __shfl_sync(0xffffffffu, ids[i / G::kChunks], r % 32);
-      const std::int64_t off = id >= 0 ? pool.offset(id, hk) + chunk * 8 : 0;
-      const std::uint32_t dst = SwizzledTile<D>::offset(r, chunk);
+      const std::int64_t off = id >= 0 ? pool.offset(id, hk) + chunk * kElemsPerChunk : 0;
+      const std::uint32_t dst = G::kFp8 ? static_cast<std::uint32_t>(r * D + chunk * 16) : SwizzledTile<D>::offset(r, chunk);
       cp_async_16(k(s) + dst, pool.k + off, id >= 0, policy);
       cp_async_16(v(s) + dst, pool.v + off, id >= 0, policy);
+    }
+    if constexpr (G::kFp8) {
+#pragma unroll
+      for (int j = 0; j < G::kIds; ++j) {
+        const int r = lane + 32 * j, id = ids[j];
+        if (r >= G::kPositions) break;
+        const std::int64_t off = id >= 0 ? pool.scale_offset(id, hk) : 0;
+        cp_async_4(k_scales(s) + 4 * r, pool.k_scale + off, id >= 0);
+        cp_async_4(v_scales(s) + 4 * r, pool.v_scale + off, id >= 0);
+      }
     }
     cp_async_commit();
   }
@@ -299,11 +326,84 @@ __device__ void load_query_shared(std::uint32_t tile, const T* src, int heads_q,
   __syncwarp();
 }
 
+// Two T in one register as floats.
+template <class T>
+__device__ __forceinline__ float2 unpack2(std::uint32_t u) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+  else return __half22float2(*reinterpret_cast<const __half2*>(&u));
+}
+
+// 2^e as a float, e in [-126, 127].
+__device__ __forceinline__ float exp2_int(int e) { return __uint_as_float(static_cast<std::uint32_t>(e + 127) << 23); }
+
+// fp8 pools, D <= 128: the pair's query rows as fp16 fragments of q x 2^shift(row) (fp8_tiles.cuh).
+// unshift[h] = 2^-shift of this lane's row lane / 4 + 8 h.
+template <int D, class T>
+__device__ __forceinline__ void load_query_fp16_registers(QFragments<D>& q, const T* src, int heads_q, const PairRows& p,
+                                                          int lane, float (&unshift)[2]) {
+  load_query_registers<D>(q, src, heads_q, p, lane);
+  float amax[2] = {0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // a0, a2: row g; a1, a3: row g + 8
+      const float2 f = unpack2<T>(q.regs[kk][i]);
+      amax[i & 1] = fmaxf(amax[i & 1], finite_amax2(f.x, f.y));
+    }
+  float mul[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int shift = query_shift(quad_max(amax[h]));
+    mul[h] = exp2_int(shift);
+    unshift[h] = exp2_int(-shift);
+  }
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = unpack2<T>(q.regs[kk][i]);
+      q.regs[kk][i] = pack2<__half>(f.x * mul[i & 1], f.y * mul[i & 1]);
+    }
+}
+
+// fp8 pools, D = 256: the pair's query rows as a swizzled fp16 tile of q x 2^shift(row); each lane
+// holds chunk `lane` (8 elements) of every row. unshift as above.
+template <int D, class T>
+__device__ void load_query_fp16_shared(std::uint32_t tile, const T* src, int heads_q, const PairRows& p, int lane,
+                                       float (&unshift)[2]) {
+  static_assert(D / 8 == 32, "one 8-element chunk of each row per lane");
+  const int g = lane >> 2;
+#pragma unroll
+  for (int r = 0; r < kDecodeRows; ++r) {
+    const uint4 raw = r < p.rows ? *reinterpret_cast<const uint4*>(
+                                       src + (static_cast<std::int64_t>(p.token(r)) * heads_q + p.head(r)) * D + lane * 8)
+                                 : make_uint4(0, 0, 0, 0);
+    const std::uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    float2 f[4];
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      f[j] = unpack2<T>(w[j]);
+      amax = fmaxf(amax, finite_amax2(f[j].x, f[j].y));
+    }
+    const int shift = query_shift(warp_max(amax));
+    const float mul = exp2_int(shift);
+    if (r == g) unshift[0] = exp2_int(-shift);
+    if (r == g + 8) unshift[1] = exp2_int(-shift);
+    std::uint32_t h[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = pack2<__half>(f[j].x * mul, f[j].y * mul);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + SwizzledTile<D>::offset(r, lane)), "r"(h[0]),
+                 "r"(h[1]), "r"(h[2]), "r"(h[3]));
+  }
+  __syncwarp();
+}
+
 // The output of a pair whose parts were merged into partial slot `slot`: each row folded with its
 // token's shared-prefix partials. A loop of its own (not inside the merge's unrolled rounds), so
 // the decode loop keeps its registers.
-template <class T, int D, class Rows>
-__device__ void write_merged(const DecodeArgs<T, Rows>& a, const PairRows& p, int slot, int lane) {
+template <class T, int D, class Rows, class S>
+__device__ void write_merged(const DecodeArgs<T, Rows, S>& a, const PairRows& p, int slot, int lane) {
   constexpr int kPerRow = D / 4;  // float4 per row
   for (int idx = lane; idx < p.rows * kPerRow; idx += 32) {
     const int r = idx / kPerRow, c = idx % kPerRow;
@@ -319,8 +419,8 @@ __device__ void write_merged(const DecodeArgs<T, Rows>& a, const PairRows& p, in
 
 // Merges `members` partials (slots slot_of(i)) of a pair's rows into slot_of(0); the final merge
 // then writes the output. One warp; partials of other warps are read through L2.
-template <class T, int D, class Rows, class SlotOf>
-__device__ void merge_parts(const DecodeArgs<T, Rows>& a, const PairRows& p, int members, SlotOf&& slot_of, bool final,
+template <class T, int D, class Rows, class S, class SlotOf>
+__device__ void merge_parts(const DecodeArgs<T, Rows, S>& a, const PairRows& p, int members, SlotOf&& slot_of, bool final,
                             int lane) {
   float w[kDecodeRows] = {};  // this lane's member's weight per row (0 for lanes >= members)
   float lse[kDecodeRows];
@@ -393,8 +493,8 @@ __device__ void merge_parts(const DecodeArgs<T, Rows>& a, const PairRows& p, int
 
 // After worker `worker` wrote its partial of the pair at `c`: merges up the tree while this warp
 // is the last of its group to finish.
-template <class T, int D, class Rows>
-__device__ void merge_up(const DecodeArgs<T, Rows>& a, const PairCursor& c, const PairRows& p, int worker,
+template <class T, int D, class Rows, class S>
+__device__ void merge_up(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, const PairRows& p, int worker,
                          std::int64_t chunk, int lane) {
   const PartRange parts = parts_of(c.begin, c.begin + c.tiles, chunk);
   const int n = parts.count();
@@ -423,8 +523,8 @@ __device__ void merge_up(const DecodeArgs<T, Rows>& a, const PairCursor& c, cons
 
 // The end of a pair's part in this worker: the output when the pair is whole here, else this
 // part's partial (o / l, lse per row), then the merge.
-template <class T, int D, class Rows>
-__device__ void finish_pair(const DecodeArgs<T, Rows>& a, const PairCursor& c, const PairRows& p, RowState<D>& st,
+template <class T, int D, class Rows, class S>
+__device__ void finish_pair(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, const PairRows& p, RowState<D>& st,
                             int worker, std::int64_t chunk, int lane) {
   const bool whole = parts_of(c.begin, c.begin + c.tiles, chunk).count() == 1;
   const int slot = whole ? 0 : part_slot(worker, c.begin, chunk);
@@ -449,8 +549,8 @@ __device__ void finish_pair(const DecodeArgs<T, Rows>& a, const PairCursor& c, c
   if (!whole) merge_up<T, D>(a, c, p, worker, chunk, lane);
 }
 
-template <class T, int D, class Rows>
-__device__ void zero_padding_rows(const DecodeArgs<T, Rows>& a) {
+template <class T, int D, class Rows, class S>
+__device__ void zero_padding_rows(const DecodeArgs<T, Rows, S>& a) {
   const std::int64_t row = static_cast<std::int64_t>(a.heads_q) * D;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = *a.tokens * row + blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
@@ -458,9 +558,53 @@ __device__ void zero_padding_rows(const DecodeArgs<T, Rows>& a) {
     a.out[i] = from_float<T>(0.f);
 }
 
-template <class T, int D, int Stages, int Warps, class Rows>
-__global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, Rows> a) {
-  using G = DecodeTile<D>;
+// fp8 tiles: the K (or V) scales of this lane's columns of a tile (columns 8 n + 2 (lane % 4) + {0, 1}).
+template <int NT>
+__device__ __forceinline__ void column_scales(std::uint32_t scales, float (&c)[NT][2], int lane) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n"
+                 : "=f"(c[n][0]), "=f"(c[n][1])
+                 : "r"(scales + static_cast<std::uint32_t>(4 * (8 * n + 2 * (lane & 3)))));
+}
+
+// fp8 tiles: scores (log2 units) -> the fp16 operands of the PV MMA, w' = p x v_scale(col) / ref
+// (fp8_tiles.cuh), with the softmax state, the refs and o brought up to date.
+template <int D, int NT>
+__device__ __forceinline__ void weigh_values(float (&s)[NT][4], RowState<D>& st, ValueRef& vref, std::uint32_t v_scales,
+                                             int lane) {
+  float corr[2];
+  st.to_probabilities(s, corr);
+  float vs[NT][2];
+  column_scales<NT>(v_scales, vs, lane);
+  float tile_max[2] = {0.f, 0.f};
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[n][e] *= vs[n][e & 1];
+      tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+    }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) tile_max[h] = quad_max(tile_max[h]);
+  float f[2];
+  vref.raise(corr, tile_max, f);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    st.rescale(h, f[h]);
+    const float inv = vref.inverse(h);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) s[n][2 * h] *= inv, s[n][2 * h + 1] *= inv;
+  }
+}
+
+// S: the pool's stored element (T, or Fp8E4M3: codes converted to fp16 per tile, fp8_tiles.cuh).
+template <class T, int D, int Stages, int Warps, class Rows, class S = T>
+__global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, Rows, S> a) {
+  constexpr bool kFp8 = std::is_same_v<S, Fp8E4M3>;
+  constexpr int kBytes = kFp8 ? 1 : 2;
+  using G = DecodeTile<D, kBytes>;
+  using M = std::conditional_t<kFp8, __half, T>;  // the MMA operand type
   extern __shared__ __align__(128) unsigned char smem[];
   zero_padding_rows<T, D>(a);
   const int n = a.work.decode_count();
@@ -474,13 +618,12 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   if (g0 >= total) return;
   const std::int64_t g1 = g0 + chunk < total ? g0 + chunk : total;
 
-  const std::uint32_t mine = smem_addr(smem) + warp * decode_warp_smem_bytes(D, Stages);
-  const StageRing<D, Stages> ring{mine};
-  const std::uint32_t q_tile = mine + Stages * 2 * G::kBytes;  // D = 256 only
+  const StageRing<D, Stages, kBytes> ring{smem_addr(smem) + warp * decode_warp_smem_bytes(D, Stages, kBytes)};
+  const std::uint32_t q_tile = ring.query();  // D = 256 only
 
   PairCursor cc;  // the tile being computed
   cc.seek(a, g0, heads_kv, G::kPositions, lane);
-  RowFetch<D, Rows> fetch;
+  RowFetch<D, Rows, kBytes> fetch;
   fetch.start(a, cc, g1, heads_kv, lane);
   // Issues the next tile into stage s (or an empty group past the chunk's end); returns the tile's
   // absent columns (holes, positions no row reads).
@@ -502,30 +645,61 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   q.tile = q_tile;
   q.row0 = 0;
   RowState<D> st;
+  float unshift[2] = {1.f, 1.f};  // fp8: 2^-shift of this lane's two rows
+  ValueRef vref;                  // fp8: the pair's value references
   int cur = 0;
   for (std::int64_t g = g0; g < g1; ++g) {
     const bool starts = cc.t == 0 || g == g0;
     const PairRows p{cc.seg, group, cc.h, cc.seg.len * group};
     if constexpr (kQueryInRegisters<D>) {
-      if (starts) load_query_registers<D>(q, a.q, a.heads_q, p, lane);
+      if (starts) {
+        if constexpr (kFp8) load_query_fp16_registers<D>(q, a.q, a.heads_q, p, lane, unshift);
+        else load_query_registers<D>(q, a.q, a.heads_q, p, lane);
+      }
     }
     ring.wait();
     if (starts) {
-      if constexpr (!kQueryInRegisters<D>) load_query_shared<D>(q_tile, a.q, a.heads_q, p, lane);
+      if constexpr (!kQueryInRegisters<D>) {
+        if constexpr (kFp8) load_query_fp16_shared<D>(q_tile, a.q, a.heads_q, p, lane, unshift);
+        else load_query_shared<D>(q_tile, a.q, a.heads_q, p, lane);
+      }
       st = RowState<D>{};
+      vref = ValueRef{};
     }
     absent.push(issue_next(cur + Stages - 1 < Stages ? cur + Stages - 1 : cur - 1));  // the stage computed last iteration
 
     const int key0 = (cc.tile0 + cc.t) * G::kPositions;
     const bool full = key0 >= visible_begin(a.window, p.qpos(p.rows - 1)) && key0 + G::kPositions - 1 <= cc.seg.pos0;
     float s[G::kNT][4];
-    qk<D, G::kNT, T>(s, q, ring.k(cur), 0, lane);
-    mask_tile<G::kNT>(s, p.rows, [&](int r) { return p.qpos(r); }, key0, a.window, full, absent.pop(), a.scale_log2,
-                      lane);
-    st.absorb(s);
-    pv<D, G::kNT, T>(st.o, s, ring.v(cur), 0, lane);
+    auto qpos = [&](int r) { return p.qpos(r); };
+    if constexpr (kFp8) {
+      convert_codes<D, G::kPositions>(ring.k(cur), ring.compute(), lane);
+      __syncwarp();
+      qk<D, G::kNT, M>(s, q, ring.compute(), 0, lane);
+      float ks[G::kNT][2];
+      column_scales<G::kNT>(ring.k_scales(cur), ks, lane);
+      const float row_factor[2] = {unshift[0] * a.scale_log2, unshift[1] * a.scale_log2};
+      mask_tile<G::kNT>(s, p.rows, qpos, key0, a.window, full, absent.pop(),
+                        [&](int h, int n, int e) { return row_factor[h] * ks[n][e & 1]; }, lane);
+      weigh_values<D, G::kNT>(s, st, vref, ring.v_scales(cur), lane);
+      __syncwarp();  // every lane is done reading K from the fp16 tile
+      convert_codes<D, G::kPositions>(ring.v(cur), ring.compute(), lane);
+      __syncwarp();
+      pv<D, G::kNT, M>(st.o, s, ring.compute(), 0, lane);
+    } else {
+      qk<D, G::kNT, M>(s, q, ring.k(cur), 0, lane);
+      mask_tile<G::kNT>(s, p.rows, qpos, key0, a.window, full, absent.pop(), a.scale_log2, lane);
+      st.absorb(s);
+      pv<D, G::kNT, M>(st.o, s, ring.v(cur), 0, lane);
+    }
 
-    if (cc.t == cc.tiles - 1 || g == g1 - 1) finish_pair<T, D>(a, cc, p, st, worker, chunk, lane);
+    if (cc.t == cc.tiles - 1 || g == g1 - 1) {
+      if constexpr (kFp8) {  // o x ref: the true weighted sum of the values (fp8_tiles.cuh)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) st.rescale(h, vref.ref[h]);
+      }
+      finish_pair<T, D>(a, cc, p, st, worker, chunk, lane);
+    }
     if (g + 1 < g1) cc.next(a, heads_kv, G::kPositions);
     cur = cur + 1 == Stages ? 0 : cur + 1;
   }

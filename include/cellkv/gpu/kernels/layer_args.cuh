@@ -8,17 +8,19 @@
 
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/gpu/kernels/shared_fold.cuh"
+#include "cellkv/gpu/kv_views.hpp"
 #include "cellkv/pool_view.hpp"
 #include "cellkv/step_plan.hpp"
 
 namespace cellkv::gpu::kernels {
 
-// Rows: TableRows (cell layout) or SlotRows (sequence layout), tile_rows.cuh.
-template <class T, class Rows>
+// Rows: TableRows (cell layout) or SlotRows (sequence layout), tile_rows.cuh. S: the pool's stored
+// element (T, or Fp8E4M3 codes with scales beside them).
+template <class T, class Rows, class S = T>
 struct LayerArgs {
   const T* q = nullptr;  // [width, heads_q, D]
   T* out = nullptr;      // [width, heads_q, D]
-  PoolView<const T> pool;
+  ReadView<S> pool;
   Rows rows;
   std::int32_t heads_q = 0;
   float scale_log2 = 0;  // scale * log2(e)

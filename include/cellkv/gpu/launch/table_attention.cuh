@@ -12,8 +12,10 @@
 // The last two fold the shared partials into their outputs. Outside graph capture a kernel with no
 // work in the uploaded step is not launched at all.
 //
-// Supported, written out: element types __nv_bfloat16 and __half (fp32 accumulation), head dims
-// 64, 128 and 256, any H_q that is a multiple of H_kv. fp32 storage uses the reference kernel.
+// Supported, written out: element types __nv_bfloat16 and __half (fp32 accumulation) and fp8
+// storage of either (gpu::Fp8<In>: E4M3 codes with a scale per row-head; decode converts codes to
+// fp16 per tile and keeps the scales outside the MMA, kernels/fp8_tiles.cuh), head dims 64, 128
+// and 256, any H_q that is a multiple of H_kv. fp32 storage uses the reference kernel.
 #pragma once
 
 #include <cuda/stream_ref>
@@ -31,6 +33,7 @@
 #include "cellkv/gpu/kernels/prefill_attention.cuh"
 #include "cellkv/gpu/kernels/shared_prefix_attention.cuh"
 #include "cellkv/gpu/kernels/tile_rows.cuh"
+#include "cellkv/gpu/kv_views.hpp"
 #include "cellkv/gpu/launch/dispatch.cuh"
 #include "cellkv/gpu/memory.hpp"
 #include "cellkv/gpu/step_views.hpp"
@@ -42,12 +45,18 @@
 #ifndef CELLKV_DECODE_WARPS
 #define CELLKV_DECODE_WARPS 8
 #endif
+#ifndef CELLKV_DECODE_FP8_STAGES
+#define CELLKV_DECODE_FP8_STAGES 3
+#endif
+#ifndef CELLKV_DECODE_FP8_WARPS
+#define CELLKV_DECODE_FP8_WARPS 8
+#endif
 
 namespace cellkv::gpu {
 
-// Element types the table kernels serve.
+// Element parameters (dtype.hpp) the table kernels serve: bf16 and fp16, stored as is or as fp8.
 template <class T>
-inline constexpr bool kTableKernelElement = std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>;
+inline constexpr bool kTableKernelElement = std::is_same_v<InputOf<T>, __nv_bfloat16> || std::is_same_v<InputOf<T>, __half>;
 
 template <class T>
 bool table_kernels_support(std::int32_t head_dim, std::int32_t heads_q, std::int32_t heads_kv) {
@@ -57,22 +66,25 @@ bool table_kernels_support(std::int32_t head_dim, std::int32_t heads_q, std::int
 
 inline constexpr int kMaxDynamicSmem = 227 * 1024;
 
-// The decode kernel's warps per block and stages per warp for head dim D: CELLKV_DECODE_WARPS and
-// CELLKV_DECODE_STAGES (8 and 3), fewer stages (not below 2), then fewer warps, where the block's
-// shared memory would pass 227 KB (D = 256 gets 4 warps of 3 stages).
+// The decode kernel's warps per block and stages per warp for head dim D and stored elements of
+// `bytes` bytes: CELLKV_DECODE_WARPS and CELLKV_DECODE_STAGES (8 and 3; fp8: CELLKV_DECODE_FP8_*),
+// fewer stages (not below 2), then fewer warps, where the block's shared memory would pass 227 KB
+// (bf16 D = 256 gets 4 warps of 3 stages).
 struct DecodeConfig {
   int warps = 0, stages = 0;
 };
-constexpr DecodeConfig decode_config(int head_dim) {
-  DecodeConfig c{CELLKV_DECODE_WARPS, CELLKV_DECODE_STAGES};
-  while (c.warps * kernels::decode_warp_smem_bytes(head_dim, c.stages) > kMaxDynamicSmem) {
-    if (c.stages > 2 && c.warps * kernels::decode_warp_smem_bytes(head_dim, 2) <= kMaxDynamicSmem) --c.stages;
+constexpr DecodeConfig decode_config(int head_dim, int bytes = 2) {
+  DecodeConfig c = bytes == 1 ? DecodeConfig{CELLKV_DECODE_FP8_WARPS, CELLKV_DECODE_FP8_STAGES}
+                              : DecodeConfig{CELLKV_DECODE_WARPS, CELLKV_DECODE_STAGES};
+  const auto smem = [&](int stages) { return c.warps * kernels::decode_warp_smem_bytes(head_dim, stages, bytes); };
+  while (smem(c.stages) > kMaxDynamicSmem) {
+    if (c.stages > 2 && smem(2) <= kMaxDynamicSmem) --c.stages;
     else --c.warps;
   }
   return c;
 }
-template <int D>
-inline constexpr DecodeConfig kDecode = decode_config(D);
+template <int D, int Bytes = 2>
+inline constexpr DecodeConfig kDecode = decode_config(D, Bytes);
 
 template <int D>
 inline constexpr int kPrefillStages = kernels::prefill_stages(D);
@@ -89,9 +101,20 @@ struct WorkCounts {
   std::int32_t decode = 0, prefill = 0, shared = 0;
 };
 
-// Rows is kernels::TableRows (cell layout) or kernels::SlotRows (sequence layout).
+// T: the cache's element parameter (In, or Fp8<In>). Rows is kernels::TableRows (cell layout) or
+// kernels::SlotRows (sequence layout).
 template <class T, class Rows>
 class TableAttention {
+  using In = InputOf<T>;     // queries and outputs
+  using S = StoredOf<T>;     // the pool's elements
+  static constexpr int kBytes = kFp8Kv<T> ? 1 : 2;
+  template <int D>
+  static constexpr DecodeConfig kDec = kDecode<D, kBytes>;
+  template <int D>
+  static constexpr int kDecSmem = kernels::decode_smem_bytes<D, kDec<D>.stages, kDec<D>.warps, kBytes>();
+  template <int D>
+  static constexpr int kPreSmem = kernels::prefill_smem_bytes<D, kPrefillStages<D>, S>();
+
  public:
   // Throws cellkv::gpu::Error when allocation or a CUDA query fails. Precondition: supported shape.
   explicit TableAttention(const TableShape& shape) : shape_(shape) {
@@ -110,7 +133,7 @@ class TableAttention {
 
   // The decode tile (positions) the host plans with.
   [[nodiscard]] AttentionShape plan_shape() const noexcept {
-    return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim)};
+    return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim, kBytes)};
   }
 
   // What the sharing planner needs: the kernel's geometry and the step block's capacities.
@@ -120,7 +143,7 @@ class TableAttention {
 
   // One layer's attention through window buffer `buffer` of window `window`: q, out [width, H_q, D];
   // padding rows [T, width) of out become zeros. scale 0 means 1 / sqrt(D).
-  Status attend(std::int32_t buffer, std::int32_t window, const T* q, T* out, PoolView<const T> pool, const Rows& rows,
+  Status attend(std::int32_t buffer, std::int32_t window, const In* q, In* out, ReadView<S> pool, const Rows& rows,
                 const StepBindings& b, std::int32_t tokens, std::int32_t width, WorkCounts work, float scale,
                 ::cuda::stream_ref stream) const {
     if (scale == 0.f) scale = 1.f / std::sqrt(static_cast<float>(shape_.head_dim));
@@ -129,11 +152,11 @@ class TableAttention {
     const kernels::SharedFold fold = sharing ? kernels::SharedFold{b.shared.own_begin, b.shared.token_slots,
                                                                    shared_o_.data(), shared_lse_.data()}
                                              : kernels::SharedFold{};
-    const kernels::PrefillArgs<T, Rows> pre{q,      out,        pool,       rows, shape_.heads_q, scale_log2,
+    const kernels::PrefillArgs<In, Rows, S> pre{q,      out,        pool,       rows, shape_.heads_q, scale_log2,
                                             window, b.segments, b.work[buffer], fold};
-    const kernels::DecodeArgs<T, Rows> dec{pre, b.tokens, width, partial_o_.data(), partial_lse_.data(),
+    const kernels::DecodeArgs<In, Rows, S> dec{pre, b.tokens, width, partial_o_.data(), partial_lse_.data(),
                                            merge_counts_.data(), slots_};
-    const kernels::SharedArgs<T, Rows> shared{pre, b.shared, b.token_pos, shared_o_.data(), shared_lse_.data()};
+    const kernels::SharedArgs<In, Rows, S> shared{pre, b.shared, b.token_pos, shared_o_.data(), shared_lse_.data()};
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     CELLKV_CUDA_STATUS(cudaStreamIsCapturing(stream.get(), &capture));
     const bool any = capture != cudaStreamCaptureStatusNone;
@@ -162,24 +185,24 @@ class TableAttention {
   // Grid sizes from occupancy (persistent grids of one wave) and the decode's partial slots.
   template <int D>
   Status size_grids(int sms) {
-    auto* dec = kernels::decode_attention<T, D, kDecode<D>.stages, kDecode<D>.warps, Rows>;
-    auto* pre = kernels::prefill_attention<T, D, kPrefillStages<D>, Rows>;
-    constexpr int dec_smem = kernels::decode_smem_bytes<D, kDecode<D>.stages, kDecode<D>.warps>();
-    constexpr int pre_smem = kernels::prefill_smem_bytes<D, kPrefillStages<D>>();
+    auto* dec = kernels::decode_attention<In, D, kDec<D>.stages, kDec<D>.warps, Rows, S>;
+    auto* pre = kernels::prefill_attention<In, D, kPrefillStages<D>, Rows, S>;
+    constexpr int dec_smem = kDecSmem<D>;
+    constexpr int pre_smem = kPreSmem<D>;
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(dec, cudaFuncAttributeMaxDynamicSharedMemorySize, dec_smem));
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(pre, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
     int dec_blocks = 0, pre_blocks = 0;
-    CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dec_blocks, dec, kDecode<D>.warps * 32, dec_smem));
+    CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dec_blocks, dec, kDec<D>.warps * 32, dec_smem));
     CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pre_blocks, pre, kernels::kPrefillThreads, pre_smem));
     decode_grid_ = sms * (dec_blocks > 0 ? dec_blocks : 1);
     prefill_grid_ = sms * (pre_blocks > 0 ? pre_blocks : 1);
-    auto* shared = kernels::shared_prefix_attention<T, D, kPrefillStages<D>, Rows>;
+    auto* shared = kernels::shared_prefix_attention<In, D, kPrefillStages<D>, Rows, S>;
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(shared, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
     int shared_blocks = 0;
     CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shared_blocks, shared, kernels::kPrefillThreads, pre_smem));
     shared_grid_ = sms * (shared_blocks > 0 ? shared_blocks : 1);
     merge_grid_ = sms * 8;
-    slots_ = 2 * decode_grid_ * kDecode<D>.warps;  // two partial slots per decode worker
+    slots_ = 2 * decode_grid_ * kDec<D>.warps;  // two partial slots per decode worker
     return {};
   }
 
@@ -194,19 +217,19 @@ class TableAttention {
     return detail::last_launch();
   }
   template <int D>
-  Status launch_decode(const kernels::DecodeArgs<T, Rows>& a, cudaStream_t stream) const {
-    return launch(kernels::decode_attention<T, D, kDecode<D>.stages, kDecode<D>.warps, Rows>, decode_grid_,
-                  kDecode<D>.warps * 32, kernels::decode_smem_bytes<D, kDecode<D>.stages, kDecode<D>.warps>(), stream, a);
+  Status launch_decode(const kernels::DecodeArgs<In, Rows, S>& a, cudaStream_t stream) const {
+    return launch(kernels::decode_attention<In, D, kDec<D>.stages, kDec<D>.warps, Rows, S>, decode_grid_,
+                  kDec<D>.warps * 32, kDecSmem<D>, stream, a);
   }
   template <int D>
-  Status launch_prefill(const kernels::PrefillArgs<T, Rows>& a, cudaStream_t stream) const {
-    return launch(kernels::prefill_attention<T, D, kPrefillStages<D>, Rows>, prefill_grid_, kernels::kPrefillThreads,
-                  kernels::prefill_smem_bytes<D, kPrefillStages<D>>(), stream, a);
+  Status launch_prefill(const kernels::PrefillArgs<In, Rows, S>& a, cudaStream_t stream) const {
+    return launch(kernels::prefill_attention<In, D, kPrefillStages<D>, Rows, S>, prefill_grid_, kernels::kPrefillThreads,
+                  kPreSmem<D>, stream, a);
   }
   template <int D>
-  Status launch_shared(const kernels::SharedArgs<T, Rows>& a, cudaStream_t stream) const {
-    return launch(kernels::shared_prefix_attention<T, D, kPrefillStages<D>, Rows>, shared_grid_, kernels::kPrefillThreads,
-                  kernels::prefill_smem_bytes<D, kPrefillStages<D>>(), stream, a);
+  Status launch_shared(const kernels::SharedArgs<In, Rows, S>& a, cudaStream_t stream) const {
+    return launch(kernels::shared_prefix_attention<In, D, kPrefillStages<D>, Rows, S>, shared_grid_,
+                  kernels::kPrefillThreads, kPreSmem<D>, stream, a);
   }
 
   TableShape shape_;

@@ -1,0 +1,113 @@
+// cellkv/gpu/kernels/fp8_tiles.cuh - what the decode kernel adds to read an fp8 pool (E4M3 codes
+// and an fp32 scale per row-head, fp8_pool_view.hpp), one warp per tile:
+//   convert_codes  a staged tile of codes [P][D] -> a swizzled fp16 tile (exact: every E4M3 value
+//                  is an fp16 value, so K and V enter the MMA unrounded)
+//   query_shift    the power of two that brings a query row into fp16 range
+//   ValueRef       the running reference of the V scales a pair has seen
+//
+// The MMA runs in fp16 on unscaled codes; the scales stay outside it:
+//   score(r, c) = (q'(r) . code_k(c)) x 2^-shift(r) x k_scale(c)      q'(r) = fp16(q(r) x 2^shift(r))
+//   o(r)        = sum_c p(r, c) x v_scale(c) x code_v(c) = ref(r) x sum_c w'(r, c) code_v(c)
+// with w' = p x v_scale / ref(r) and ref(r) the largest weight p x v_scale of row r so far, so the
+// fp16 operand w' lies in [0, 1] and the row's dominant terms keep full fp16 precision whatever the
+// scales span (a weight below 2^-24 of the largest is lost, as fp16 probabilities lose it). When a
+// tile raises ref, the accumulated o is rescaled by old ref / new ref, together with the softmax's
+// own rescaling. The output is o x ref / l.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cellkv/gpu/kernels/mma.cuh"
+
+namespace cellkv::gpu::kernels {
+
+// 4 bytes global -> shared, asynchronously; zero-filled when `valid` is false.
+__device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+// Two E4M3 codes (low byte first) as two fp16 values in one register (low half first); exact.
+// NaN codes give an fp16 NaN.
+__device__ __forceinline__ std::uint32_t e4m3x2_to_half2(std::uint32_t two_codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes & 0xFFFFu), __NV_E4M3);
+  return static_cast<std::uint32_t>(h.x) | (static_cast<std::uint32_t>(h.y) << 16);
+}
+
+// Converts a staged tile of P rows x D codes (rows of D bytes, unswizzled) at `codes` into the
+// swizzled fp16 tile at `tile` (SwizzledTile<D>); one warp. Each lane converts 16 codes at a time
+// and stores the two 16-byte halves in an order that keeps every group of 8 lanes on distinct bank
+// groups.
+template <int D, int P>
+__device__ __forceinline__ void convert_codes(std::uint32_t codes, std::uint32_t tile, int lane) {
+  constexpr int kChunks = D / 16;  // 16-code chunks per row
+  static_assert((P * kChunks) % 32 == 0, "a tile is a whole number of warp-wide passes");
+#pragma unroll
+  for (int i = 0; i < P * kChunks / 32; ++i) {
+    const int idx = lane + 32 * i, row = idx / kChunks, chunk = idx % kChunks;
+    std::uint32_t w[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "r"(codes + static_cast<std::uint32_t>(idx * 16)));
+    std::uint32_t h[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      h[2 * j] = e4m3x2_to_half2(w[j]);
+      h[2 * j + 1] = e4m3x2_to_half2(w[j] >> 16);
+    }
+    const int first = D >= 128 ? (chunk >> 2) & 1 : 0;  // which half this lane stores first
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int half = k ^ first;
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + SwizzledTile<D>::offset(row, 2 * chunk + half)),
+                   "r"(h[4 * half]), "r"(h[4 * half + 1]), "r"(h[4 * half + 2]), "r"(h[4 * half + 3]));
+    }
+  }
+}
+
+// The power of two s for a query row whose largest finite |q| is amax: amax x 2^s lands in
+// [2^14, 2^15) (fp16 holds up to 65504), clamped so 2^s and 2^-s are normal floats; 0 for amax 0.
+__device__ __forceinline__ int query_shift(float amax) {
+  if (!(amax > 0.f)) return 0;
+  const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xFF) - 127;  // floor(log2(amax)); -127 for subnormals
+  return max(-125, min(125, 14 - e));
+}
+
+// Largest finite |x| of two values (0 when neither is finite).
+__device__ __forceinline__ float finite_amax2(float a, float b) {
+  const float fa = fabsf(a), fb = fabsf(b);
+  return fmaxf(fa <= 3.4e38f ? fa : 0.f, fb <= 3.4e38f ? fb : 0.f);
+}
+
+// The value reference of this lane's two rows (lane / 4 + 8 h) of a pair: the largest weight
+// p x v_scale of a column seen so far, in the units of the row's current softmax maximum; the
+// accumulated o holds sum(p x v_scale x code_v) / ref. Every lane of a quad holds the same refs.
+struct ValueRef {
+  float ref[2] = {0.f, 0.f};
+  // After a tile's probabilities (corr[h]: the softmax's factor for what came before, tile_max[h]:
+  // the tile's largest weight, quad-wide): the new ref of row h, and in f[h] the factor o's row
+  // takes, (old ref x corr) / new ref <= 1 (corr while nothing has weight yet).
+  __device__ __forceinline__ void raise(const float (&corr)[2], const float (&tile_max)[2], float (&f)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float carried = ref[h] * corr[h];
+      const float next = fmaxf(carried, tile_max[h]);
+      f[h] = next > 0.f ? carried / next : corr[h];
+      ref[h] = next;
+    }
+  }
+  // The factor of a weight in row h: 1 / ref (0 while the row has no weight: every V is 0 so far).
+  __device__ __forceinline__ float inverse(int h) const { return ref[h] > 0.f ? 1.f / ref[h] : 0.f; }
+};
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+}  // namespace cellkv::gpu::kernels
