@@ -2,6 +2,9 @@
 // one layer: queries and outputs, the layer's pool, where its rows live, the window and the
 // window's work in the uploaded step, and the shared-prefix results to fold into the outputs.
 // Trivially copyable; passed by value.
+//
+// S is what the pool stores: T itself, or Fp8E4M3 codes with an fp32 scale per row-head
+// (Fp8PoolView, fp8_pool_view.hpp); queries and outputs are T either way.
 #pragma once
 
 #include <cstdint>
@@ -9,18 +12,16 @@
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/gpu/kernels/shared_fold.cuh"
 #include "cellkv/gpu/kv_views.hpp"
-#include "cellkv/pool_view.hpp"
 #include "cellkv/step_plan.hpp"
 
 namespace cellkv::gpu::kernels {
 
-// Rows: TableRows (cell layout) or SlotRows (sequence layout), tile_rows.cuh. S: the pool's stored
-// element (T, or Fp8E4M3 codes with scales beside them).
+// Rows: TableRows (cell layout) or SlotRows (sequence layout), tile_rows.cuh. S: T or Fp8E4M3.
 template <class T, class Rows, class S = T>
 struct LayerArgs {
   const T* q = nullptr;  // [width, heads_q, D]
   T* out = nullptr;      // [width, heads_q, D]
-  ReadView<S> pool;
+  ReadView<S> pool;      // PoolView<const T>, or Fp8PoolView<const Fp8E4M3>
   Rows rows;
   std::int32_t heads_q = 0;
   float scale_log2 = 0;  // scale * log2(e)

@@ -12,18 +12,32 @@
 // attend_block is the block's work for any set of query rows; shared_prefix_attention.cuh runs it
 // over the rows of a shared run.
 //
-// Grid: persistent (fixed); block: kPrefillWarps x 32 threads; dynamic smem:
-// prefill_smem_bytes<D, Stages>(), Stages = prefill_stages(D).
+// fp8 pools (S = Fp8E4M3): the stages hold the tiles as stored (codes and scales, Fp8Stage<D>);
+// once a tile has landed the block converts it into one swizzled K/V pair of T (decode(code) x
+// scale in fp32, rounded to T once), and the MMA code reads that pair as it reads a T stage.
+// Each conversion serves up to kPrefillRows query rows.
+//
+// Dynamic shared memory (prefill_smem_bytes<D, Stages, S>(), Stages = prefill_stages(D)):
+//   S = T:       Q tile [kPrefillRows x D] T | Stages x (K tile, V tile) [kPrefillTile x D] T
+//   S = Fp8E4M3: Q tile [kPrefillRows x D] T | K tile, V tile [kPrefillTile x D] T (converted)
+//                | Stages x Fp8Stage<D> (K codes, V codes [kPrefillTile x D] bytes, row-major;
+//                  K scales, V scales [kPrefillTile] fp32)
+// All T tiles are swizzled (SwizzledTile<D>).
+//
+// Grid: persistent (fixed); block: kPrefillWarps x 32 threads.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cellkv/attention_plan.hpp"
+#include "cellkv/fp8.hpp"
 #include "cellkv/gpu/kernels/attention_tiles.cuh"
 #include "cellkv/gpu/kernels/layer_args.cuh"
 #include "cellkv/gpu/kernels/mma.cuh"
+#include "cellkv/gpu/kv_views.hpp"
 #include "cellkv/gpu/numeric.cuh"
 #include "cellkv/pool_view.hpp"
 #include "cellkv/step_plan.hpp"
@@ -34,17 +48,37 @@ namespace cellkv::gpu::kernels {
 inline constexpr int kPrefillWarps = kPrefillRows / 16;
 inline constexpr int kPrefillThreads = 32 * kPrefillWarps;
 
-template <int D, int Stages>
+// One stage of an fp8 pool's tile as stored: byte offsets of its parts.
+template <int D>
+struct Fp8Stage {
+  static constexpr int kKCodes = 0;                         // [kPrefillTile][D] codes
+  static constexpr int kVCodes = kPrefillTile * D;          // [kPrefillTile][D] codes
+  static constexpr int kKScales = 2 * kPrefillTile * D;     // [kPrefillTile] fp32 (0: absent row)
+  static constexpr int kVScales = kKScales + 4 * kPrefillTile;
+  static constexpr int kBytes = kVScales + 4 * kPrefillTile;
+};
+
+// Dynamic shared memory of the prefill block (layout above); S: the pool's stored element (the
+// 2-byte T, or Fp8E4M3).
+//   D            64     128     256
+//   Stages        3       3       2
+//   S = T     57344  114688  163840   (56 / 112 / 160 KB)
+//   S = fp8   50688   99840  164864   (49.5 / 97.5 / 161 KB)
+// Two blocks fit an SM (228 KB, 1 KB reserved per block) for D <= 128 either way; one for D = 256.
+template <int D, int Stages, class S = __nv_bfloat16>
 constexpr int prefill_smem_bytes() {
-  return kPrefillRows * D * 2 + Stages * 2 * kPrefillTile * D * 2;
+  static_assert(Element<S> || std::is_same_v<S, Fp8E4M3>, "S: what the pool stores");
+  constexpr int kQ = kPrefillRows * D * 2, kPair = 2 * kPrefillTile * D * 2;
+  if constexpr (std::is_same_v<S, Fp8E4M3>) return kQ + kPair + Stages * Fp8Stage<D>::kBytes;
+  else return kQ + Stages * kPair;
 }
 
 // KV stages of the prefill block for head dim D: three where two blocks of them still fit an SM
-// (D <= 128: 112 KB each), else two.
+// (D <= 128: 112 KB each for T, 97.5 KB for fp8), else two.
 constexpr int prefill_stages(int head_dim) { return head_dim <= 128 ? 3 : 2; }
 
-template <class T, class Rows>
-using PrefillArgs = LayerArgs<T, Rows>;
+template <class T, class Rows, class S = T>
+using PrefillArgs = LayerArgs<T, Rows, S>;
 
 // Rows [row0, row0 + rows) of a segment; row r is token r / group, head r % group of the group.
 // Positions grow with the row, so a range of rows sees from first() to last().
@@ -99,6 +133,93 @@ __device__ __forceinline__ void issue_prefill_tile(const PoolView<const T>& pool
   }
 }
 
+// 4 bytes global -> shared asynchronously (cp.async.ca: the 4-byte form goes through L1); when
+// `valid` is false the destination is zero-filled and nothing is read from global memory.
+__device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+// Issues the copies of one fp8 tile (row ids in shared memory) into a stage (Fp8Stage<D>): the
+// codes in 16-byte chunks (a thread's chunk the same in every pass, its row kPrefillThreads /
+// (D / 16) further on), the scales one fp32 each; absent rows (id -1) are zero-filled, codes and
+// scales. D = 256 issues its passes one at a time: unrolled, the block spills (it holds 128
+// accumulators a lane).
+template <int D>
+__device__ __forceinline__ void issue_fp8_tile(const Fp8PoolView<const Fp8E4M3>& pool, int hk, const int* ids,
+                                               std::uint32_t stage) {
+  using F = Fp8Stage<D>;
+  constexpr int kChunks = D / 16, kRowStep = kPrefillThreads / kChunks, kPasses = kPrefillTile / kRowStep;
+  static_assert(kPrefillThreads % kChunks == 0 && kPrefillTile % kRowStep == 0 && kPrefillThreads >= kPrefillTile);
+  constexpr int kUnroll = D >= 256 ? 1 : kPasses;
+  const int chunk = threadIdx.x % kChunks, row0 = threadIdx.x / kChunks;
+#pragma unroll kUnroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int row = row0 + p * kRowStep, id = ids[row];
+    const bool valid = id >= 0;
+    const std::int64_t off = valid ? pool.offset(id, hk) + chunk * 16 : 0;
+    const auto dst = static_cast<std::uint32_t>(row * D + chunk * 16);
+    cp_async_16(stage + F::kKCodes + dst, pool.k + off, valid);
+    cp_async_16(stage + F::kVCodes + dst, pool.v + off, valid);
+  }
+  if (threadIdx.x < kPrefillTile) {
+    const int id = ids[threadIdx.x];
+    const bool valid = id >= 0;
+    const std::int64_t off = valid ? pool.scale_offset(id, hk) : 0;
+    cp_async_4(stage + F::kKScales + 4 * threadIdx.x, pool.k_scale + off, valid);
+    cp_async_4(stage + F::kVScales + 4 * threadIdx.x, pool.v_scale + off, valid);
+  }
+}
+
+// Two E4M3 codes (the low byte first) x scale as two T (the low half first): the codes decode
+// exactly to f16 (cvt.rn.f16x2.e4m3x2: every E4M3 value is an f16 value; the NaN codes 0x7F and
+// 0xFF give the f16 NaN 0x7FFF), then each is multiplied by the scale in fp32 and rounded to T
+// once: T(decode_e4m3(code) x scale), fp8.hpp. A NaN code stays NaN; a zero-filled row (codes 0,
+// scale 0) gives 0.
+template <class T>
+__device__ __forceinline__ std::uint32_t dequantize_e4m3x2(std::uint32_t codes, float scale) {
+  std::uint32_t h2;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<unsigned short>(codes)));
+  __half2 h;
+  static_assert(sizeof(h) == sizeof(h2));
+  __builtin_memcpy(&h, &h2, sizeof(h));
+  const float2 f = __half22float2(h);
+  return pack2<T>(f.x * scale, f.y * scale);
+}
+
+// Converts the fp8 tile of a landed stage into the swizzled T tiles k_dst and v_dst. A thread
+// converts one 8-code chunk (one 16-byte chunk of T) of K and the same of V per pass, its chunk
+// the same in every pass and its row kPrefillThreads / (D / 8) further on; two passes at a time
+// (with four, shared_prefix_attention<*, 64, 3, TableRows, Fp8E4M3> spills 4 bytes).
+template <int D, class T>
+__device__ __forceinline__ void convert_fp8_tile(std::uint32_t stage, std::uint32_t k_dst, std::uint32_t v_dst) {
+  using F = Fp8Stage<D>;
+  constexpr int kChunks = D / 8, kRowStep = kPrefillThreads / kChunks, kPasses = kPrefillTile / kRowStep;
+  static_assert(kPrefillThreads % kChunks == 0 && kPrefillTile % kRowStep == 0, "every thread converts as many chunks");
+  const int chunk = threadIdx.x % kChunks, row0 = threadIdx.x / kChunks;
+#pragma unroll 2
+  for (int p = 0; p < kPasses; ++p) {
+    const int row = row0 + p * kRowStep;
+    const auto codes = stage + static_cast<std::uint32_t>(row * D + chunk * 8);
+    const auto scales = stage + static_cast<std::uint32_t>(4 * row);
+    const std::uint32_t dst = SwizzledTile<D>::offset(row, chunk);
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      std::uint32_t c0, c1;
+      float scale;
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                   : "=r"(c0), "=r"(c1)
+                   : "r"(codes + (v ? F::kVCodes : F::kKCodes)));
+      asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(scale) : "r"(scales + (v ? F::kVScales : F::kKScales)));
+      const std::uint32_t x0 = dequantize_e4m3x2<T>(c0, scale), x1 = dequantize_e4m3x2<T>(c0 >> 16, scale),
+                          x2 = dequantize_e4m3x2<T>(c1, scale), x3 = dequantize_e4m3x2<T>(c1 >> 16, scale);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"((v ? v_dst : k_dst) + dst), "r"(x0), "r"(x1),
+                   "r"(x2), "r"(x3)
+                   : "memory");
+    }
+  }
+}
+
 // Where a block's tiles are read: KV head hk, tiles `span` of sequence seq, of which the positions
 // `seen` are gathered (the rest, and holes, zero-filled; every row masks what it does not see and
 // every absent column).
@@ -112,15 +233,31 @@ struct TileSource {
 // the tiles of `src`, streamed through `Stages` (2 or 3) shared-memory stages; finish(warp's rows,
 // state, lane) writes each warp's result. The block leaves with every thread past its last use of
 // the shared tiles. `ids` holds the row ids of two tiles: the next to issue and the one after.
-template <class T, int D, int Stages, class Rows, class QRows, class Finish>
-__device__ void attend_block(const LayerArgs<T, Rows>& a, const QRows& it, const TileSource& src, unsigned char* smem,
-                             int (&ids)[2][kPrefillTile], Finish&& finish) {
+// S = Fp8E4M3: the stages hold codes and scales, each landed tile is converted into the one T
+// K/V pair before the warps read it (the layout at the top of this file).
+template <class T, int D, int Stages, class Rows, class QRows, class Finish, class S = T>
+__device__ void attend_block(const LayerArgs<T, Rows, S>& a, const QRows& it, const TileSource& src,
+                             unsigned char* smem, int (&ids)[2][kPrefillTile], Finish&& finish) {
   static_assert(Stages == 2 || Stages == 3, "attend_block streams its KV tiles through 2 or 3 stages");
+  constexpr bool kFp8 = std::is_same_v<S, Fp8E4M3>;
+  static_assert(kFp8 || std::is_same_v<S, T>, "the pool stores T or fp8 codes");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::uint32_t q_tile = smem_addr(smem);
   const std::uint32_t stages = q_tile + kPrefillRows * D * 2;
   constexpr std::uint32_t kTileBytes = kPrefillTile * D * 2;
+  // T: stage s's K tile (its V tile follows). fp8: the converted K tile is k_stage(0), and stage s
+  // holds codes and scales at fp8_stage(s).
   auto k_stage = [&](int s) { return stages + static_cast<std::uint32_t>(s) * 2 * kTileBytes; };
+  auto fp8_stage = [&](int s) { return stages + 2 * kTileBytes + static_cast<std::uint32_t>(s * Fp8Stage<D>::kBytes); };
+  // The K tile the warps read tile j from.
+  auto k_tile = [&](int j) {
+    if constexpr (kFp8) return k_stage(0);
+    else return k_stage(j % Stages);
+  };
+  auto issue = [&](const int* tile_ids, int s) {
+    if constexpr (kFp8) issue_fp8_tile<D>(a.pool, src.hk, tile_ids, fp8_stage(s));
+    else issue_prefill_tile<D>(a.pool, src.hk, tile_ids, k_stage(s), k_stage(s) + kTileBytes);
+  };
   auto id_of = [&](int j) {
     return prefill_row_id(a.rows, src.seq, (src.span.first + j) * kPrefillTile, src.seen, threadIdx.x);
   };
@@ -145,7 +282,7 @@ __device__ void attend_block(const LayerArgs<T, Rows>& a, const QRows& it, const
   for (int j = 0; j < Stages - 1; ++j) {  // tiles [0, Stages - 1), a commit group each
     if (j < count) {
       absent.set(j, absent_of(ids[j]));
-      issue_prefill_tile<D>(a.pool, src.hk, ids[j], k_stage(j), k_stage(j) + kTileBytes);
+      issue(ids[j], j);
     }
     cp_async_commit();
   }
@@ -158,20 +295,23 @@ __device__ void attend_block(const LayerArgs<T, Rows>& a, const QRows& it, const
     __syncthreads();  // tile j landed; ids of tile j + Stages - 1 visible; its stage free
     const int ahead = j + Stages - 1;
     absent.push(ahead < count ? absent_of(ids[ahead % 2]) : 0);
-    if (ahead < count)
-      issue_prefill_tile<D>(a.pool, src.hk, ids[ahead % 2], k_stage(ahead % Stages), k_stage(ahead % Stages) + kTileBytes);
+    if (ahead < count) issue(ids[ahead % 2], ahead % Stages);
     cp_async_commit();
+    if constexpr (kFp8) {  // tile j's codes -> the T pair (the warps are past tile j - 1's reads)
+      convert_fp8_tile<D, T>(fp8_stage(j % Stages), k_tile(j), k_tile(j) + kTileBytes);
+      __syncthreads();
+    }
     const std::uint64_t absent_j = absent.pop();
     const int next_id = ahead + 1 < count && threadIdx.x < kPrefillTile ? id_of(ahead + 1) : -1;
     const int key0 = (src.span.first + j) * kPrefillTile;
     if (mine.rows > 0 && key0 <= mine.last() && key0 + kPrefillTile - 1 >= visible_begin(a.window, mine.first())) {
       const bool full = key0 >= visible_begin(a.window, mine.last()) && key0 + kPrefillTile - 1 <= mine.first();
       float s[kPrefillTile / 8][4];
-      qk<D, kPrefillTile / 8, T>(s, q, k_stage(j % Stages), 0, lane);
+      qk<D, kPrefillTile / 8, T>(s, q, k_tile(j), 0, lane);
       mask_tile<kPrefillTile / 8>(s, mine.rows, [&](int r) { return mine.qpos(r); }, key0, a.window, full, absent_j,
                                   a.scale_log2, lane);
       st.absorb(s);
-      pv<D, kPrefillTile / 8, T>(st.o, s, k_stage(j % Stages) + kTileBytes, 0, lane);
+      pv<D, kPrefillTile / 8, T>(st.o, s, k_tile(j) + kTileBytes, 0, lane);
     }
     if (ahead + 1 < count && threadIdx.x < kPrefillTile) ids[(ahead + 1) % 2][threadIdx.x] = next_id;
   }
@@ -181,8 +321,8 @@ __device__ void attend_block(const LayerArgs<T, Rows>& a, const QRows& it, const
 
 // Writes a warp's rows to the layer output (token-major [T, H_q, D]), each folded with its token's
 // shared-prefix partials. The state is consumed.
-template <class T, int D, class Rows, class QRows>
-__device__ void write_rows(const LayerArgs<T, Rows>& a, const QRows& mine, int hk, RowState<D>& st, int lane) {
+template <class T, int D, class Rows, class QRows, class S = T>
+__device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, int hk, RowState<D>& st, int lane) {
   using R = RowHalf<D>;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -198,8 +338,9 @@ __device__ void write_rows(const LayerArgs<T, Rows>& a, const QRows& mine, int h
   }
 }
 
-template <class T, int D, int Stages, class Rows>
-__global__ void __launch_bounds__(kPrefillThreads) prefill_attention(PrefillArgs<T, Rows> a) {
+// S: what the pool stores (T, or Fp8E4M3); dynamic smem prefill_smem_bytes<D, Stages, S>().
+template <class T, int D, int Stages, class Rows, class S = T>
+__global__ void __launch_bounds__(kPrefillThreads) prefill_attention(PrefillArgs<T, Rows, S> a) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int ids[2][kPrefillTile];
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;

@@ -13,7 +13,8 @@
 // slots into the outputs (shared_fold.cuh).
 //
 // Runs before those kernels on the same stream. Grid: persistent (fixed); block: kPrefillWarps x
-// 32 threads; dynamic smem: prefill_smem_bytes<D, Stages>(), Stages = prefill_stages(D).
+// 32 threads; dynamic smem: prefill_smem_bytes<D, Stages, S>(), Stages = prefill_stages(D), S what
+// the pool stores (T, or Fp8E4M3: attend_block converts each fp8 tile, prefill_attention.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,8 +29,8 @@ namespace cellkv::gpu::kernels {
 
 static_assert(kSharedRows == kPrefillRows && kSharedTile == kPrefillTile, "shared items run the prefill block");
 
-template <class T, class Rows>
-struct SharedArgs : LayerArgs<T, Rows> {
+template <class T, class Rows, class S = T>
+struct SharedArgs : LayerArgs<T, Rows, S> {
   SharedWork sharing;                       // the step's runs and items
   const std::int32_t* token_pos = nullptr;  // [T] position of each step token
   float* partial_o = nullptr;               // [slots][H_q][D]
@@ -81,8 +82,8 @@ __device__ void write_partials(float* partial_o, float* partial_lse, int heads_q
   }
 }
 
-template <class T, int D, int Stages, class Rows>
-__global__ void __launch_bounds__(kPrefillThreads) shared_prefix_attention(SharedArgs<T, Rows> a) {
+template <class T, int D, int Stages, class Rows, class S = T>
+__global__ void __launch_bounds__(kPrefillThreads) shared_prefix_attention(SharedArgs<T, Rows, S> a) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int ids[2][kPrefillTile];
   __shared__ int bounds[2];
