@@ -25,12 +25,6 @@
 
 namespace cellkv::gpu::kernels {
 
-// 4 bytes global -> shared, asynchronously; zero-filled when `valid` is false.
-__device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
-  const int bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
 // Two E4M3 codes (low byte first) as two fp16 values in one register (low half first); exact.
 // NaN codes give an fp16 NaN.
 __device__ __forceinline__ std::uint32_t e4m3x2_to_half2(std::uint32_t two_codes) {

@@ -40,6 +40,12 @@ __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, 
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src), "r"(bytes),
                "l"(policy));
 }
+// 4 bytes global -> shared asynchronously (cp.async.ca: the 4-byte form goes through L1);
+// zero-filled when `valid` is false, nothing read.
+__device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int Pending>
 __device__ __forceinline__ void cp_async_wait() {

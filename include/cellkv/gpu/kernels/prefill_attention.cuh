@@ -35,6 +35,7 @@
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/fp8.hpp"
 #include "cellkv/gpu/kernels/attention_tiles.cuh"
+#include "cellkv/gpu/kernels/fp8_tiles.cuh"
 #include "cellkv/gpu/kernels/layer_args.cuh"
 #include "cellkv/gpu/kernels/mma.cuh"
 #include "cellkv/gpu/kv_views.hpp"
@@ -133,13 +134,6 @@ __device__ __forceinline__ void issue_prefill_tile(const PoolView<const T>& pool
   }
 }
 
-// 4 bytes global -> shared asynchronously (cp.async.ca: the 4-byte form goes through L1); when
-// `valid` is false the destination is zero-filled and nothing is read from global memory.
-__device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
-  const int bytes = valid ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
-}
-
 // Issues the copies of one fp8 tile (row ids in shared memory) into a stage (Fp8Stage<D>): the
 // codes in 16-byte chunks (a thread's chunk the same in every pass, its row kPrefillThreads /
 // (D / 16) further on), the scales one fp32 each; absent rows (id -1) are zero-filled, codes and
@@ -178,12 +172,8 @@ __device__ __forceinline__ void issue_fp8_tile(const Fp8PoolView<const Fp8E4M3>&
 // scale 0) gives 0.
 template <class T>
 __device__ __forceinline__ std::uint32_t dequantize_e4m3x2(std::uint32_t codes, float scale) {
-  std::uint32_t h2;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(static_cast<unsigned short>(codes)));
-  __half2 h;
-  static_assert(sizeof(h) == sizeof(h2));
-  __builtin_memcpy(&h, &h2, sizeof(h));
-  const float2 f = __half22float2(h);
+  const std::uint32_t h2 = e4m3x2_to_half2(codes);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
   return pack2<T>(f.x * scale, f.y * scale);
 }
 
