@@ -330,7 +330,7 @@ TEST_CASE("fp8 set_fp8_config: refusals are bad_argument and change nothing; lat
   require_device_ok();
 }
 
-TEST_CASE("fp8 set_fp8_config on a sharded cache (2 shards on one GPU): refused for every shard or set on every shard") {
+TEST_CASE("fp8 set_fp8_config on a sharded cache (2 shards on one GPU): refused for every shard or set on every one") {
   using Sharded = gpu::ShardedCache<layout::cell, gpu::Fp8<bf16>, Fp8Windows, placement::lowest_free, 8>;
   Sharded cache({.max_write = 4, .max_cells = 16}, kSmall, std::vector<int>{0, 0});
   REQUIRE(cache.shards() == 2);
@@ -347,6 +347,35 @@ TEST_CASE("fp8 set_fp8_config on a sharded cache (2 shards on one GPU): refused 
   // A shard's own set_fp8_config refuses the same way.
   CHECK(cache.shard(1).set_fp8_config(refused_configs().front()) == Errc::bad_argument);
   CHECK(same_config(cache.shard(1).pool().fp8_config(), kStatic));
+  // Every shard's later writes (its own KV head) use the static scales.
+  gpu::Stream s0, s1;
+  const std::vector<::cuda::stream_ref> refs{s0.ref(), s1.ref()};
+  std::mt19937_64 rng(29);
+  const std::int32_t a = cache.seq_new().value();
+  const std::vector<std::int32_t> ids{a, a, a};
+  const StepPlan plan = cache.declare_step(ids).value();
+  const std::vector<std::int64_t> rows(plan.rows.begin(), plan.rows.end());
+  REQUIRE(cache.upload(refs).ok());
+  std::vector<PoolImage> want;
+  for (std::int32_t g = 0; g < 2; ++g) {
+    const auto& shard = cache.shard(g);
+    REQUIRE(shard.pool().shape().heads_kv == 1);
+    want.push_back(image_of(shard.pool()));
+    for (std::int32_t l = 0; l < Fp8Windows::kLayers; ++l) {
+      const std::vector<bf16> k = special_rows<bf16>(3, 1, 64, rng), v = special_rows<bf16>(3, 1, 64, rng);
+      const DeviceArray<bf16> dk(k), dv(v);
+      REQUIRE(shard.write(l, dk.data(), dv.data(), 3, refs[static_cast<std::size_t>(g)]).ok());
+      REQUIRE(cudaStreamSynchronize(refs[static_cast<std::size_t>(g)].get()) == cudaSuccess);
+      const std::vector<float> kf = as_float(k), vf = as_float(v);
+      for (std::size_t t = 0; t < 3; ++t) {
+        quantize_into(want.back(), false, l, rows[t], kf.data() + t * 64, write_scale(kStatic, l, false));
+        quantize_into(want.back(), true, l, rows[t], vf.data() + t * 64, write_scale(kStatic, l, true));
+      }
+    }
+  }
+  REQUIRE(cache.commit(refs).ok());
+  for (std::int32_t g = 0; g < 2; ++g)
+    CHECK(differences(image_of(cache.shard(g).pool()), want[static_cast<std::size_t>(g)]) == 0);
   require_device_ok();
 }
 
@@ -609,10 +638,12 @@ namespace {
 
 // The host's re-rotation of one moved fp8 K row-head: dequantized in double (exact), each pair
 // rotated in double (rope.hpp), rounded to float, quantized again with a fresh per-row scale or
-// the layer's static one. Bit for bit with the device: the same fp8.hpp functions on the same
-// floats; the double sin / cos / pow of the device may differ from the host's in the last ulp,
-// which changes the float a double rounds to only when it lies within an ulp of a rounding boundary
-// (probability ~1e-9 per element; none happens for these seeds).
+// the layer's static one. Bit for bit with the device: the dequantization is exact on both, and
+// quantize_row_head is the same function on the same floats. The rotation itself may differ in the
+// last ulps of a double (the device's sin / cos / pow, and its fused multiply-adds in rotate_pair),
+// which changes the float it rounds to only near a float rounding boundary (~1e-9 per element), and
+// changes a code only if that float also sits on an E4M3 rounding boundary or is the row-head's
+// amax: far below one expected mismatch over the ~3e4 elements rotated here.
 void rotate_in_image(PoolImage& im, std::int32_t layer, const RowRotation& r, const RopeSpec& spec, float static_k) {
   const std::int32_t D = im.head_dim;
   for (std::int32_t h = 0; h < im.heads_kv; ++h) {
