@@ -2,7 +2,7 @@
 // reference on a HostFp8Pool driven by the same host cache (the device cache's own plan). The
 // device quantizes each row-head from bf16 inputs with the host's functions, so both pools hold the
 // same codes and scales; the reference dequantizes in double. What is checked:
-//   - magnitudes far outside fp16 (K and V row-heads from 1e-30 to 1e30, queries from 1e-20 to 1e4):
+//   - magnitudes far outside fp16 (K and V row-heads from 1e-30 to 1e30, queries from 1e-30 to 1e25):
 //     the decode kernel's per-row query shift and V-scale reference keep every output within
 //     tolerance of the reference (no overflow, no flush of a row to zero);
 //   - a NaN in one K row-head gives NaN to exactly the query heads of its KV head in its sequence:
@@ -126,14 +126,17 @@ void run(const Magnitudes& m, std::int32_t prompt, std::int32_t decodes, std::in
 
 }  // namespace
 
+// Scores stay moderate (|q . k| x scale below ~1e3) in every case: softmax over fp32 scores of
+// 1e30 is ill-conditioned in any fp32 kernel (columns whose scores differ by less than 1e-7 of
+// their size tie), which is not what these cases test.
 TEST_CASE("fp8 table kernels: magnitudes far outside fp16 stay within tolerance of the float64 reference") {
-  const Magnitudes wide{-30, 30, -30, 30, -20, 4};
+  const Magnitudes wide{-30, 0.5, -30, 30, -2, 0.5};  // K rows from 1e-30 to 3, V rows 1e-30 to 1e30
   run<64>(wide, 37, 3, -1, 1);
   run<128>(wide, 100, 3, -1, 2);
   run<256>(wide, 70, 2, -1, 3);
-  const Magnitudes tiny{-30, -25, -30, -25, -20, -15};
+  const Magnitudes tiny{-30, -25, -30, -25, 20, 25};  // tiny K and V, queries far above fp16's range
   run<128>(tiny, 65, 2, -1, 4);
-  const Magnitudes huge{25, 30, 25, 30, 2, 4};
+  const Magnitudes huge{25, 30, 25, 30, -30, -25};  // huge K and V (outputs near 1e30), tiny queries
   run<128>(huge, 65, 2, -1, 5);
 }
 

@@ -55,7 +55,7 @@ struct DecodeTile {
   static constexpr std::uint32_t kBytes = kPositions * D * Bytes;  // one tensor's staged tile
   static constexpr std::uint32_t kScaleBytes = kFp8 ? kPositions * 4 : 0;  // one tensor's scales
   static constexpr std::uint32_t kStageBytes = 2 * (kBytes + kScaleBytes);
-  static constexpr std::uint32_t kComputeBytes = kFp8 ? kPositions * D * 2 : 0;  // the fp16 tile codes become
+  static constexpr std::uint32_t kComputeBytes = kFp8 ? 2 * kPositions * D * 2 : 0;  // the fp16 K and V tiles
   static constexpr int kNT = kPositions / 8;                       // MMA n-tiles of the scores
   static_assert(kPagePositions % kPositions == 0 && kPositions % 16 == 0 && kLoads * 32 == kPositions * kChunks);
 };
@@ -64,13 +64,13 @@ struct DecodeTile {
 template <int D>
 inline constexpr bool kQueryInRegisters = D <= 128;
 
-// Per warp: `stages` x (K tile, V tile; fp8: then the K scales and V scales), for fp8 the fp16 tile
-// the codes are converted into, and for D = 256 the query tile; 128-byte aligned.
+// Per warp: `stages` x (K tile, V tile; fp8: then the K scales and V scales), for fp8 the fp16 K and
+// V tiles the codes are converted into, and for D = 256 the query tile; 128-byte aligned.
 constexpr int decode_warp_smem_bytes(int head_dim, int stages, int element_bytes = 2) {
   const int positions = decode_tile_positions(head_dim, element_bytes);
   const bool fp8 = element_bytes == 1;
   const int stage = 2 * (positions * head_dim * element_bytes + (fp8 ? positions * 4 : 0));
-  const int compute = fp8 ? positions * head_dim * 2 : 0;
+  const int compute = fp8 ? 2 * positions * head_dim * 2 : 0;
   const int query = head_dim <= 128 ? 0 : kDecodeRows * head_dim * 2;
   return (stages * stage + compute + query + 127) / 128 * 128;
 }
@@ -227,7 +227,8 @@ struct RowFetch {
 // One warp's ring of KV stages in shared memory, filled by 16-byte cp.async copies gathered
 // through the tile's row ids (-1: a row nobody sees, zero-filled); one commit group per ring slot,
 // in ring order. bf16 / fp16: swizzled tiles the MMA reads. fp8: rows of codes (unswizzled, D bytes
-// each) that convert_codes turns into the fp16 tile after the stages, and each row's K and V scale.
+// each) that convert_codes turns into the fp16 K and V tiles after the stages, and each row's K and
+// V scale.
 template <int D, int Stages, int Bytes = 2>
 struct StageRing {
   using G = DecodeTile<D, Bytes>;
@@ -237,10 +238,11 @@ struct StageRing {
   __device__ std::uint32_t v(int s) const { return k(s) + G::kBytes; }
   __device__ std::uint32_t k_scales(int s) const { return k(s) + 2 * G::kBytes; }  // fp8: [kPositions] fp32
   __device__ std::uint32_t v_scales(int s) const { return k_scales(s) + G::kScaleBytes; }
-  // fp8: the fp16 tile a stage's K (then V) codes are converted into, after the stages.
-  __device__ std::uint32_t compute() const { return base + Stages * G::kStageBytes; }
+  // fp8: the fp16 K and V tiles a stage's codes are converted into, after the stages.
+  __device__ std::uint32_t k_half() const { return base + Stages * G::kStageBytes; }
+  __device__ std::uint32_t v_half() const { return k_half() + G::kComputeBytes / 2; }
   // The query tile (D = 256), after everything else.
-  __device__ std::uint32_t query() const { return compute() + G::kComputeBytes; }
+  __device__ std::uint32_t query() const { return base + Stages * G::kStageBytes + G::kComputeBytes; }
 
   template <class Pool>
   __device__ __forceinline__ void issue(int s, const Pool& pool, int hk, const int (&ids)[G::kIds], int lane) const {
@@ -590,8 +592,12 @@ __device__ __forceinline__ void weigh_values(float (&s)[NT][4], RowState<D>& st,
   float f[2];
   vref.raise(corr, tile_max, f);
 #pragma unroll
+  if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) {  // rare once the row's maximum settles
+#pragma unroll
+    for (int h = 0; h < 2; ++h) st.rescale(h, f[h]);
+  }
+#pragma unroll
   for (int h = 0; h < 2; ++h) {
-    st.rescale(h, f[h]);
     const float inv = vref.inverse(h);
 #pragma unroll
     for (int n = 0; n < NT; ++n) s[n][2 * h] *= inv, s[n][2 * h + 1] *= inv;
@@ -673,19 +679,16 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
     float s[G::kNT][4];
     auto qpos = [&](int r) { return p.qpos(r); };
     if constexpr (kFp8) {
-      convert_codes<D, G::kPositions>(ring.k(cur), ring.compute(), lane);
+      convert_codes<D, G::kPositions>({ring.k(cur), ring.v(cur)}, {ring.k_half(), ring.v_half()}, lane);
       __syncwarp();
-      qk<D, G::kNT, M>(s, q, ring.compute(), 0, lane);
+      qk<D, G::kNT, M>(s, q, ring.k_half(), 0, lane);
       float ks[G::kNT][2];
       column_scales<G::kNT>(ring.k_scales(cur), ks, lane);
       const float row_factor[2] = {unshift[0] * a.scale_log2, unshift[1] * a.scale_log2};
       mask_tile<G::kNT>(s, p.rows, qpos, key0, a.window, full, absent.pop(),
                         [&](int h, int n, int e) { return row_factor[h] * ks[n][e & 1]; }, lane);
       weigh_values<D, G::kNT>(s, st, vref, ring.v_scales(cur), lane);
-      __syncwarp();  // every lane is done reading K from the fp16 tile
-      convert_codes<D, G::kPositions>(ring.v(cur), ring.compute(), lane);
-      __syncwarp();
-      pv<D, G::kNT, M>(st.o, s, ring.compute(), 0, lane);
+      pv<D, G::kNT, M>(st.o, s, ring.v_half(), 0, lane);
     } else {
       qk<D, G::kNT, M>(s, q, ring.k(cur), 0, lane);
       mask_tile<G::kNT>(s, p.rows, qpos, key0, a.window, full, absent.pop(), a.scale_log2, lane);

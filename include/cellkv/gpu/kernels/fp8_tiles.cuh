@@ -1,7 +1,7 @@
 // cellkv/gpu/kernels/fp8_tiles.cuh - what the decode kernel adds to read an fp8 pool (E4M3 codes
 // and an fp32 scale per row-head, fp8_pool_view.hpp), one warp per tile:
-//   convert_codes  a staged tile of codes [P][D] -> a swizzled fp16 tile (exact: every E4M3 value
-//                  is an fp16 value, so K and V enter the MMA unrounded)
+//   convert_codes  staged tiles of codes [P][D] -> swizzled fp16 tiles (exact: every E4M3 value is
+//                  an fp16 value, so K and V enter the MMA unrounded)
 //   query_shift    the power of two that brings a query row into fp16 range
 //   ValueRef       the running reference of the V scales a pair has seen
 //
@@ -16,7 +16,6 @@
 #pragma once
 
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -25,40 +24,47 @@
 
 namespace cellkv::gpu::kernels {
 
-// Two E4M3 codes (low byte first) as two fp16 values in one register (low half first); exact.
-// NaN codes give an fp16 NaN.
-__device__ __forceinline__ std::uint32_t e4m3x2_to_half2(std::uint32_t two_codes) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes & 0xFFFFu), __NV_E4M3);
-  return static_cast<std::uint32_t>(h.x) | (static_cast<std::uint32_t>(h.y) << 16);
+// Four E4M3 codes (a 32-bit word, low byte first) as four fp16 values in two registers (low
+// half first): two hardware conversions, exact. NaN codes give an fp16 NaN.
+__device__ __forceinline__ void e4m3x4_to_half2x2(std::uint32_t codes, std::uint32_t& lo, std::uint32_t& hi) {
+  asm("{\n .reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(codes));
+}
+// Two E4M3 codes (the low 16 bits, low byte first) as two fp16 values (low half first).
+__device__ __forceinline__ std::uint32_t e4m3x2_to_half2(std::uint32_t codes) {
+  std::uint32_t h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h) : "h"(static_cast<unsigned short>(codes)));
+  return h;
 }
 
-// Converts a staged tile of P rows x D codes (rows of D bytes, unswizzled) at `codes` into the
-// swizzled fp16 tile at `tile` (SwizzledTile<D>); one warp. Each lane converts 16 codes at a time
-// and stores the two 16-byte halves in an order that keeps every group of 8 lanes on distinct bank
-// groups.
-template <int D, int P>
-__device__ __forceinline__ void convert_codes(std::uint32_t codes, std::uint32_t tile, int lane) {
+// Converts staged tiles of P rows x D codes (rows of D bytes, unswizzled) at `codes[t]` into the
+// swizzled fp16 tiles at `tiles[t]` (SwizzledTile<D>), t < N (K, or K and V at once); one warp.
+// Each lane converts 16 codes at a time and stores the two 16-byte halves in an order that keeps
+// every group of 8 lanes on distinct bank groups.
+template <int D, int P, int N>
+__device__ __forceinline__ void convert_codes(const std::uint32_t (&codes)[N], const std::uint32_t (&tiles)[N], int lane) {
   constexpr int kChunks = D / 16;  // 16-code chunks per row
   static_assert((P * kChunks) % 32 == 0, "a tile is a whole number of warp-wide passes");
 #pragma unroll
   for (int i = 0; i < P * kChunks / 32; ++i) {
     const int idx = lane + 32 * i, row = idx / kChunks, chunk = idx % kChunks;
-    std::uint32_t w[4];
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                 : "r"(codes + static_cast<std::uint32_t>(idx * 16)));
-    std::uint32_t h[8];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      h[2 * j] = e4m3x2_to_half2(w[j]);
-      h[2 * j + 1] = e4m3x2_to_half2(w[j] >> 16);
-    }
     const int first = D >= 128 ? (chunk >> 2) & 1 : 0;  // which half this lane stores first
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const int half = k ^ first;
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + SwizzledTile<D>::offset(row, 2 * chunk + half)),
-                   "r"(h[4 * half]), "r"(h[4 * half + 1]), "r"(h[4 * half + 2]), "r"(h[4 * half + 3]));
+    for (int t = 0; t < N; ++t) {
+      std::uint32_t w[4];
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                   : "r"(codes[t] + static_cast<std::uint32_t>(idx * 16)));
+      std::uint32_t h[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) e4m3x4_to_half2x2(w[j], h[2 * j], h[2 * j + 1]);
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int half = k ^ first;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(tiles[t] + SwizzledTile<D>::offset(row, 2 * chunk + half)),
+                     "r"(h[4 * half]), "r"(h[4 * half + 1]), "r"(h[4 * half + 2]), "r"(h[4 * half + 3]));
+      }
     }
   }
 }
