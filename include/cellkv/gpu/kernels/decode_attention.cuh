@@ -591,7 +591,6 @@ __device__ __forceinline__ void weigh_values(float (&s)[NT][4], RowState<D>& st,
   for (int h = 0; h < 2; ++h) tile_max[h] = quad_max(tile_max[h]);
   float f[2];
   vref.raise(corr, tile_max, f);
-#pragma unroll
   if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) {  // rare once the row's maximum settles
 #pragma unroll
     for (int h = 0; h < 2; ++h) st.rescale(h, f[h]);
