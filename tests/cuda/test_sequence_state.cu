@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -498,11 +499,9 @@ void close_attention(X& x, std::int32_t a, Y& y, std::int32_t b, const gpu::Stre
   std::mt19937_64 rng(seed);
   auto close = [](const std::vector<std::uint16_t>& p, const std::vector<std::uint16_t>& q) {
     REQUIRE(p.size() == q.size());
+    auto value = [](std::uint16_t bits) { return static_cast<double>(std::bit_cast<float>(std::uint32_t{bits} << 16)); };
     for (std::size_t i = 0; i < p.size(); ++i) {
-      Bf u, w;
-      std::memcpy(&u, &p[i], 2);
-      std::memcpy(&w, &q[i], 2);
-      const double du = to_double(u), dw = to_double(w);
+      const double du = value(p[i]), dw = value(q[i]);
       CAPTURE(i);
       REQUIRE(std::abs(du - dw) <= 2e-2 * std::max(std::abs(dw), 1e-2));
     }
@@ -568,7 +567,8 @@ TEST_CASE("device state fp8: codes and scales of a sequence with holes restore b
   CellCache<Model, placement::clustered<4>, 8> hcells({.max_write = 8, .max_cells = 32});
   HostFp8Pool hpool(Model::kLayers, 32, kHeadsKv, kDim);
   const std::int32_t h = cellkv::restore_sequence(hcells, hpool, bytes, kFp8Tag).value();
-  for (const std::int32_t p : hcells.held_positions(h).value())
+  const std::vector<std::int32_t> host_held = hcells.held_positions(h).value();
+  for (const std::int32_t p : host_held)
     for (std::int32_t l = 0; l < Model::kLayers; ++l) {
       const Fp8PoolView<Fp8E4M3> v = hpool.view(l);
       const std::int64_t row = hcells.row_of(h, p);
