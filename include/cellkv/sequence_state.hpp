@@ -154,7 +154,7 @@ struct SavedState {
 
 // The bytes of a state holding `positions` (strictly ascending): the header and the positions
 // written, the rows (state_rows) and scales (state_scales) left zero and the checksum unset until
-// seal_state. The device save (gpu/sequence_state.cuh) copies the rows straight into them.
+// seal_state. The device save (gpu/sequence_state.cuh) copies the rows and scales straight into them.
 inline std::vector<std::byte> state_frame(const StateShape& shape, std::span<const std::int32_t> positions) {
   const std::uint64_t held = positions.size();
   const std::uint64_t payload = 4 * held + 2 * static_cast<std::uint64_t>(shape.layers) * held * (shape.row_bytes() + shape.scale_row_bytes());
@@ -228,7 +228,8 @@ std::vector<std::byte> encode_state(const StateShape& shape, std::span<const std
                                     ScaleFn&& scale_row) {
   return detail::encode_state<true>(shape, positions, row, scale_row);
 }
-// The same for element storage: row(layer, kv, i) points to the row's row_bytes() bytes.
+// The same for element storage: row(layer, kv, i) points to the row's row_bytes() bytes (a shape of
+// fp8 storage needs the form above: this one leaves its scales zero).
 template <class RowFn>
 std::vector<std::byte> encode_state(const StateShape& shape, std::span<const std::int32_t> positions, RowFn&& row) {
   return detail::encode_state<false>(shape, positions, row, 0);
