@@ -21,12 +21,12 @@
 // shape "N sessions", impl cellkv_cell_clustered or cellkv_sequence (cellkv_cell_fp8 with --kv
 // fp8), metric tokens/s, plus the breakdown fields, "kv" (bf16 or fp8), "kv_bytes_per_cell" (K and
 // V of every layer, scales included: footprint.hpp pool_bytes_per_cell) and "kv_pool_bytes" (the
-// cache's K/V pools, DeviceShard::footprint). Parallel sampling: work "serve_parallel_sampling", impl cellkv_cell_clustered
-// (sharing on) or cellkv_cell_clustered_no_sharing, metric = generated tokens / wall time of the
-// whole job (prompts fed on the way), plus the decode phase (steps in which every sample generates)
-// and the fraction of samples whose tokens equal the sharing run's. --weights-out FILE writes the
-// weights (bf16, the order of llama::Weights) and FILE.json the config, for the PyTorch peer
-// (serve_peer.py).
+// cache's K/V pools, DeviceShard::footprint). Parallel sampling: work "serve_parallel_sampling",
+// impl cellkv_cell_clustered (sharing on) or cellkv_cell_clustered_no_sharing, metric = generated
+// tokens / wall time of the whole job (prompts fed on the way), plus the decode phase (steps in
+// which every sample generates) and the fraction of samples whose tokens equal the sharing run's.
+// --weights-out FILE writes the weights (bf16, the order of llama::Weights) and FILE.json the
+// config, for the PyTorch peer (serve_peer.py).
 //
 //   build/benchmarks/cellkv-bench-serve [--quick] [--out FILE] [--weights-out FILE] [--sessions 1,16,...]
 //   build/benchmarks/cellkv-bench-serve --kv fp8 [--quick] [--out FILE] [--sessions 1,16,...]
