@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The serving run on a fresh GPU machine, in one go (about 5 minutes on an H200):
+# The serving run on a fresh GPU machine, in one go (about 6 minutes on an H200):
 #   1. the PyTorch peer (serve_peer.py) starts at once in the background: it makes the weights,
 #      compiles and warms its decode step for every batch size, then waits;
-#   2. meanwhile the needed targets build: the GPU serving tests, the demo, cellkv-bench-serve;
+#   2. meanwhile the needed targets build: the GPU serving tests, the demo, cellkv-bench-serve,
+#      cellkv-bench-fp8-model;
 #   3. the GPU serving tests (sampler, model against the host model, executor) and the GPU demo;
 #   4. once the peer is warm (or after a deadline), cellkv-bench-serve alone on the GPU, which also
 #      writes its weights for the peer's check;
 #   5. the peer's timed steps alone on the GPU;
 #   6. cellkv-bench-serve --parallel-sampling alone on the GPU: 16 prompts of 2,048 tokens x 8
 #      samples, 256 new tokens each, with shared prefixes read once per step and without;
-#   7. one table: cellkv against the peer, the step breakdown, the floor, the targets, then the
-#      parallel-sampling rows.
-# Logs and results-serve.jsonl go to OUT_DIR (8 files); the weights file goes to $TMPDIR.
+#   7. the fp8 KV cache: the GPU demo with --kv fp8, its accuracy on the example model
+#      (cellkv-bench-fp8-model: KL of next-token distributions against a bf16 cache, into
+#      results-fp8-model.jsonl), cellkv-bench-serve --kv fp8 (rows cellkv_cell_fp8);
+#   8. one table: cellkv against the peer, the step breakdown, the floor, the targets, fp8 against
+#      bf16, then the parallel-sampling rows.
+# Logs, results-serve.jsonl and results-fp8-model.jsonl go to OUT_DIR (12 files); the weights file
+# goes to $TMPDIR.
 #
 #   benchmarks/run_serve_device.sh BUILD_DIR OUT_DIR      (after: meson setup BUILD_DIR -Dgpu_arch=90)
 set -uo pipefail
@@ -37,7 +42,7 @@ peer=$!
 jobs=$(nproc 2>/dev/null || echo 8)
 [ "$jobs" -gt 4 ] && jobs=$((jobs - 2))
 timeout 180 ninja -C "$build" -j"$jobs" tests/cuda/cellkv-gpu-serving-tests examples/cellkv-demo \
-  benchmarks/cellkv-bench-serve > "$out/build.log" 2>&1
+  benchmarks/cellkv-bench-serve benchmarks/cellkv-bench-fp8-model > "$out/build.log" 2>&1
 note "build: rc=$? ($(grep -c 'Compiling\|Linking' "$out/build.log") steps)"
 
 # 3. tests and demo
@@ -65,8 +70,16 @@ timeout 120 "$build/benchmarks/cellkv-bench-serve" --parallel-sampling --out "$t
   > "$out/sampling.log" 2>&1
 note "cellkv-bench-serve --parallel-sampling: rc=$?"
 
-# 7. the table
-cat "$tmp/cellkv.jsonl" "$tmp/peer.jsonl" "$tmp/sampling.jsonl" > "$out/results-serve.jsonl" 2>/dev/null
+# 7. the fp8 KV cache: demo, accuracy on the model, serving rows
+timeout 60 "$build/examples/cellkv-demo" --kv fp8 > "$out/demo-fp8.log" 2>&1
+note "gpu demo --kv fp8: rc=$? $(grep -E '^OK|^FAILED|tokens/s$' "$out/demo-fp8.log" | tail -2 | tr '\n' ' ')"
+timeout 120 "$build/benchmarks/cellkv-bench-fp8-model" --out "$out/results-fp8-model.jsonl" > "$out/fp8-model.log" 2>&1
+note "cellkv-bench-fp8-model: rc=$? $(grep -E '^  all ' "$out/fp8-model.log" | tr -s ' ')"
+timeout 90 "$build/benchmarks/cellkv-bench-serve" --kv fp8 --out "$tmp/cellkv-fp8.jsonl" > "$out/bench-fp8.log" 2>&1
+note "cellkv-bench-serve --kv fp8: rc=$?"
+
+# 8. the table
+cat "$tmp/cellkv.jsonl" "$tmp/cellkv-fp8.jsonl" "$tmp/peer.jsonl" "$tmp/sampling.jsonl" > "$out/results-serve.jsonl" 2>/dev/null
 python3 "$here/serve_peer.py" --report "$out/results-serve.jsonl" | tee -a "$summary"
 note "done"
 rm -rf "$tmp" "$weights"

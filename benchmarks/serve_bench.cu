@@ -13,16 +13,23 @@
 // Each: one untimed job (graph captures), then 3 timed jobs (1 with --quick); the job with the
 // median time is reported. --sampling-shape P,L,S,N picks another shape.
 //
+// --kv fp8 runs the sessions mode on an fp8 (E4M3) KV cache instead: the cell layout only,
+// DeviceCache<cell, gpu::Fp8<bf16>, ...> (bf16 arithmetic, K/V stored as codes with an fp32 scale
+// per row-head), impl cellkv_cell_fp8; its floor counts the fp8 bytes of K/V (scales included).
+//
 // Output: JSON lines on stdout or --out FILE, and a table on stderr. Sessions mode: work "serve",
-// shape "N sessions", impl cellkv_cell_clustered or cellkv_sequence, metric tokens/s, plus the
-// breakdown fields. Parallel sampling: work "serve_parallel_sampling", impl cellkv_cell_clustered
-// (sharing on) or cellkv_cell_clustered_no_sharing, metric = generated tokens / wall time of the
-// whole job (prompts fed on the way), plus the decode phase (steps in which every sample generates)
-// and the fraction of samples whose tokens equal the sharing run's. --weights-out FILE writes the
-// weights (bf16, the order of llama::Weights) and FILE.json the config, for the PyTorch peer
-// (serve_peer.py).
+// shape "N sessions", impl cellkv_cell_clustered or cellkv_sequence (cellkv_cell_fp8 with --kv
+// fp8), metric tokens/s, plus the breakdown fields, "kv" (bf16 or fp8), "kv_bytes_per_cell" (K and
+// V of every layer, scales included: footprint.hpp pool_bytes_per_cell) and "kv_pool_bytes" (the
+// cache's K/V pools, DeviceShard::footprint). Parallel sampling: work "serve_parallel_sampling",
+// impl cellkv_cell_clustered (sharing on) or cellkv_cell_clustered_no_sharing, metric = generated
+// tokens / wall time of the whole job (prompts fed on the way), plus the decode phase (steps in
+// which every sample generates) and the fraction of samples whose tokens equal the sharing run's.
+// --weights-out FILE writes the weights (bf16, the order of llama::Weights) and FILE.json the
+// config, for the PyTorch peer (serve_peer.py).
 //
 //   build/benchmarks/cellkv-bench-serve [--quick] [--out FILE] [--weights-out FILE] [--sessions 1,16,...]
+//   build/benchmarks/cellkv-bench-serve --kv fp8 [--quick] [--out FILE] [--sessions 1,16,...]
 //   build/benchmarks/cellkv-bench-serve --parallel-sampling [--quick] [--out FILE] [--sampling-shape 16,2048,8,256]
 #include <cellkv/batching/executor.hpp>
 #include <cellkv/gpu/device_cache.cuh>
@@ -41,21 +48,32 @@
 #include "llama/gpu_llama.cuh"
 #include "decode_timing.hpp"
 #include "parallel_sampling.hpp"
+#include "serve_model.hpp"
 
 namespace {
 
-using Model = cellkv::Windows<0, 0, 0, 0, 0, 0, 0, 0>;
+using Model = bench::ServeWindows;
 constexpr std::int32_t kPrompt = 128, kMaxLen = 384, kWarmup = 3, kTimed = 64, kProfiled = 32;
 constexpr double kCopyTBs = 4.2, kGemmTFLOPs = 780.0;  // the H200's measured ceilings
 
-const llama::Config kConfig{.vocab = 16384, .dim = 1024, .layers = 8, .heads_q = 16, .heads_kv = 4, .head_dim = 64,
-                            .ffn = 2816};
+const llama::Config& kConfig = bench::kServeConfig;
+const cellkv::gpu::PoolShape kShape{.layers = kConfig.layers, .heads_kv = kConfig.heads_kv,
+                                    .head_dim = kConfig.head_dim, .heads_q = kConfig.heads_q};
 
 struct Row {
   bench::DecodeRun run;
   llama::PhaseTimes phases;  // of the profiled pass
   double profiled_ms_per_step = 0;
+  const char* kv = "bf16";             // the K/V storage
+  std::size_t kv_bytes_per_cell = 0;   // K and V of every layer, scales included
+  std::size_t kv_pool_bytes = 0;       // the cache's K/V pools
 };
+
+// The K/V bytes one cell takes in a cache of type Cache (every layer, K and V, scales included).
+template <class Cache>
+std::size_t bytes_per_cell() {
+  return cellkv::pool_bytes_per_cell(kShape, cellkv::gpu::kv_storage_of<typename Cache::Storage>()).value();
+}
 
 template <class Cache>
 Row measure(const llama::Weights& weights, std::int32_t sessions) {
@@ -63,13 +81,15 @@ Row measure(const llama::Weights& weights, std::int32_t sessions) {
   const cellkv::CacheConfig config{.max_write = max_write, .max_cells = sessions * kMaxLen + max_write,
                                    .max_seqs = sessions, .max_len = kMaxLen};
   cellkv::gpu::Stream stream;
-  Cache cache(config, {.layers = kConfig.layers, .heads_kv = kConfig.heads_kv, .head_dim = kConfig.head_dim,
-                       .heads_q = kConfig.heads_q});
+  Cache cache(config, kShape);
   llama::GpuLlama<Cache> model(kConfig, weights, cache, stream.get(), {.max_graph_width = 256});
   cellkv::batching::Executor exec(model, cache,
                                   {.max_write = max_write, .min_prefill_tokens = 2, .max_tokens_per_session = kMaxLen});
   bench::start_sessions(exec, sessions, kPrompt, kConfig.vocab);
   Row row;
+  row.kv = cellkv::gpu::kFp8Kv<typename Cache::Storage> ? "fp8" : "bf16";
+  row.kv_bytes_per_cell = bytes_per_cell<Cache>();
+  row.kv_pool_bytes = Cache::Shard::footprint(config, kShape).value().kv_pools;
   row.run = bench::time_decode(exec, kWarmup, kTimed);
   model.set_profile(true);
   (void)bench::time_decode(exec, 2, 2);  // captures the profiled graph
@@ -81,7 +101,8 @@ Row measure(const llama::Weights& weights, std::int32_t sessions) {
 }
 
 // The physical floor of one decode step of n sessions holding `context` tokens each: the bytes
-// that must move (bf16 weights read once, every live K/V row read once) at the copy rate, plus the
+// that must move (bf16 weights read once, every live K/V row read once: `kv_bytes_per_cell` bytes
+// each, bf16 or fp8 with its scales) at the copy rate, plus the
 // FLOPs (2 x parameters per token, attention) at the GEMM rate. The roofline (the larger of the
 // two, as if both overlapped perfectly) is reported beside it.
 struct Floor {
@@ -89,12 +110,12 @@ struct Floor {
   [[nodiscard]] double ms() const { return memory_ms + compute_ms; }
   [[nodiscard]] double roofline_ms() const { return std::max(memory_ms, compute_ms); }
 };
-Floor floor_of(std::int32_t n, double context) {
+Floor floor_of(std::int32_t n, double context, std::size_t kv_bytes_per_cell) {
   const llama::Config& c = kConfig;
   const double per_layer = static_cast<double>(c.dim) * (c.q_width() + 2 * c.kv_width()) +
                            static_cast<double>(c.q_width()) * c.dim + 3.0 * c.dim * c.ffn;
   const double params = c.layers * per_layer + static_cast<double>(c.dim) * c.vocab;
-  const double kv_bytes = n * context * c.layers * 2.0 * c.kv_width() * 2.0;  // K and V, bf16
+  const double kv_bytes = n * context * static_cast<double>(kv_bytes_per_cell);  // K and V, every layer
   Floor f;
   f.bytes = 2.0 * params + kv_bytes + n * 2.0 * c.dim;                          // + the embedding rows
   f.flops = n * (2.0 * params + c.layers * 4.0 * context * c.q_width());       // GEMMs + attention
@@ -107,7 +128,7 @@ void report(std::FILE* out, std::int32_t n, const char* impl, const Row& r) {
   const bench::DecodeRun& d = r.run;
   const llama::PhaseTimes& p = r.phases;
   const double steps = static_cast<double>(std::max<std::int64_t>(p.steps, 1));
-  const Floor f = floor_of(n, d.mean_context);
+  const Floor f = floor_of(n, d.mean_context, r.kv_bytes_per_cell);
   std::fprintf(out,
                "{\"work\": \"serve\", \"shape\": \"%d sessions\", \"impl\": \"%s\", \"metric\": %.1f, \"unit\": \"tokens/s\", "
                "\"tokens_per_step\": %.2f, \"ms_per_step\": %.4f, \"mean_context\": %.1f, "
@@ -115,11 +136,12 @@ void report(std::FILE* out, std::int32_t n, const char* impl, const Row& r) {
                "\"gpu_upload_ms\": %.4f, \"gpu_forward_ms\": %.4f, \"gpu_sampling_ms\": %.4f, \"gpu_copy_ms\": %.4f, "
                "\"gpu_idle_ms\": %.4f, \"profiled_ms_per_step\": %.4f, \"floor_ms\": %.4f, \"floor_memory_ms\": %.4f, "
                "\"floor_compute_ms\": %.4f, \"fraction_of_floor\": %.3f, \"floor_roofline_ms\": %.4f, "
-               "\"fraction_of_roofline\": %.3f}\n",
+               "\"fraction_of_roofline\": %.3f, \"kv\": \"%s\", \"kv_bytes_per_cell\": %zu, \"kv_pool_bytes\": %zu}\n",
                n, impl, d.tokens_per_second, d.tokens_per_step, d.ms_per_step, d.mean_context, d.plan_ms, d.enqueue_ms,
                d.wait_ms, d.resolve_ms, p.upload_ms / steps, p.forward_ms / steps, p.sampling_ms / steps,
                p.copy_ms / steps, p.idle_ms / steps, r.profiled_ms_per_step, f.ms(), f.memory_ms, f.compute_ms,
-               f.ms() / d.ms_per_step, f.roofline_ms(), f.roofline_ms() / d.ms_per_step);
+               f.ms() / d.ms_per_step, f.roofline_ms(), f.roofline_ms() / d.ms_per_step, r.kv, r.kv_bytes_per_cell,
+               r.kv_pool_bytes);
   std::fflush(out);
   std::fprintf(stderr,
                "  %4d %-22s %10.0f tok/s %6.1f tok/step %7.3f ms/step | host plan %.3f enq %.3f wait %.3f res %.3f | "
@@ -148,8 +170,7 @@ SamplingRow measure_sampling(const llama::Weights& weights, const bench::Samplin
   const cellkv::CacheConfig config{.max_write = max_write, .max_cells = cells, .max_seqs = shape.sessions(),
                                    .max_len = max_len};
   cellkv::gpu::Stream stream;
-  Cache cache(config, {.layers = kConfig.layers, .heads_kv = kConfig.heads_kv, .head_dim = kConfig.head_dim,
-                       .heads_q = kConfig.heads_q});
+  Cache cache(config, kShape);
   cache.share_prefixes(share);
   llama::GpuLlama<Cache> model(kConfig, weights, cache, stream.get(), {.max_graph_width = 256});
   cellkv::batching::Executor exec(model, cache,
@@ -237,6 +258,7 @@ bool write_weights(const std::string& path, const llama::Weights& w) {
 
 int main(int argc, char** argv) {
   bool quick = false, parallel_sampling = false;
+  std::string kv = "bf16";
   bench::SamplingShape sampling_shape;
   std::FILE* out = stdout;
   std::string weights_out;
@@ -246,6 +268,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) out = std::fopen(argv[++i], "w");
     if (std::strcmp(argv[i], "--weights-out") == 0 && i + 1 < argc) weights_out = argv[++i];
     if (std::strcmp(argv[i], "--parallel-sampling") == 0) parallel_sampling = true;
+    if (std::strcmp(argv[i], "--kv") == 0 && i + 1 < argc) kv = argv[++i];
     if (std::strcmp(argv[i], "--sampling-shape") == 0 && i + 1 < argc && !parse_shape(argv[++i], sampling_shape)) {
       std::fprintf(stderr, "cellkv-bench-serve: --sampling-shape takes P,L,S,N (prompts, prompt tokens, samples, "
                            "new tokens)\n");
@@ -259,6 +282,14 @@ int main(int argc, char** argv) {
       }
     }
   }
+  if (kv != "bf16" && kv != "fp8") {
+    std::fprintf(stderr, "cellkv-bench-serve: --kv takes bf16 or fp8, not %s\n", kv.c_str());
+    return 1;
+  }
+  if (kv == "fp8" && parallel_sampling) {
+    std::fprintf(stderr, "cellkv-bench-serve: --kv fp8 runs the sessions mode only (not --parallel-sampling)\n");
+    return 1;
+  }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || out == nullptr) {
     std::fprintf(stderr, "cellkv-bench-serve: needs a CUDA device\n");
@@ -266,15 +297,18 @@ int main(int argc, char** argv) {
   }
   using Cells = cellkv::gpu::DeviceCache<cellkv::layout::cell, __nv_bfloat16, Model, cellkv::placement::clustered<64>>;
   using Slots = cellkv::gpu::DeviceCache<cellkv::layout::sequence, __nv_bfloat16, Model>;
+  using CellsFp8 = cellkv::gpu::DeviceCache<cellkv::layout::cell, cellkv::gpu::Fp8<__nv_bfloat16>, Model,
+                                            cellkv::placement::clustered<64>>;
   const llama::Weights weights = llama::generate(kConfig);
   if (!weights_out.empty() && !write_weights(weights_out, weights)) {
     std::fprintf(stderr, "cellkv-bench-serve: cannot write %s\n", weights_out.c_str());
     return 1;
   }
   std::fprintf(stderr,
-               "cellkv serve benchmark: bf16 decoder, %d layers, dim %d, H_q %d, H_kv %d, D %d, ffn %d, vocab %d; ",
+               "cellkv serve benchmark: bf16 decoder, %d layers, dim %d, H_q %d, H_kv %d, D %d, ffn %d, vocab %d; "
+               "K/V cache %s; ",
                kConfig.layers, kConfig.dim, kConfig.heads_q, kConfig.heads_kv, kConfig.head_dim, kConfig.ffn,
-               kConfig.vocab);
+               kConfig.vocab, kv == "fp8" ? "fp8 e4m3 (fp32 scale per row-head), cell layout" : "bf16");
   if (parallel_sampling)
     std::fprintf(stderr,
                  "parallel sampling, %s; temperature 0.8, top-p 0.95 on the device; cell layout, clustered<64>; "
@@ -297,6 +331,10 @@ int main(int argc, char** argv) {
     }
     for (const std::int32_t n : counts) {
       if (quick && n > 16) break;
+      if (kv == "fp8") {
+        report(out, n, "cellkv_cell_fp8", measure<CellsFp8>(weights, n));
+        continue;
+      }
       report(out, n, "cellkv_cell_clustered", measure<Cells>(weights, n));
       report(out, n, "cellkv_sequence", measure<Slots>(weights, n));
     }

@@ -25,10 +25,12 @@ The peer
 The report
   python3 benchmarks/serve_peer.py --report results-serve.jsonl
   reads cellkv's and the peer's JSON lines ({"work": "serve", "shape": "N sessions", "impl":
-  cellkv_cell_clustered | cellkv_sequence | torch_compile_static, "metric": tokens/s, ...}) and prints
-  one markdown table: tokens/s, the ratio to the peer, tokens per step, cellkv's step breakdown and
-  its fraction of the physical floor, then the targets met or missed; then, when the file holds
-  them, the parallel-sampling rows (work "serve_parallel_sampling": sharing on and off).
+  cellkv_cell_clustered | cellkv_sequence | cellkv_cell_fp8 | torch_compile_static, "metric":
+  tokens/s, ...}) and prints one markdown table: tokens/s, the ratio to the peer, tokens per step,
+  cellkv's step breakdown and its fraction of the physical floor, then the targets met or missed;
+  the fp8 KV cache's tokens/s against the bf16 cell layout's (cellkv-bench-serve --kv fp8), when
+  the file holds both; then the parallel-sampling rows (work "serve_parallel_sampling": sharing on
+  and off).
 """
 
 import argparse
@@ -41,7 +43,7 @@ import time
 CONFIG = dict(vocab=16384, dim=1024, layers=8, heads_q=16, heads_kv=4, head_dim=64, ffn=2816,
               rope_theta=10000.0, norm_eps=1e-5, seed=1, prompt=128, max_len=384, warmup=3, timed=64)
 PEER = "torch_compile_static"
-CELLKV = ("cellkv_cell_clustered", "cellkv_sequence")
+CELLKV = ("cellkv_cell_clustered", "cellkv_sequence", "cellkv_cell_fp8")
 
 
 def log(*args):
@@ -360,14 +362,30 @@ def report(path):
                        f"{r['ms_per_step']:.3f} | {host} | {gpu} | {floor} | {frac} |")
     out.append("")
     out.append("floor: bytes / 4.2 TB/s + FLOPs / 780 TFLOP/s for one decode step: bytes = bf16 weights read once "
-               "+ every live K/V row read once (mean context of the timed steps); FLOPs = 2 x parameters x sessions "
+               "+ every live K/V row read once (mean context of the timed steps; fp8 rows: codes and scales); FLOPs = 2 x parameters x sessions "
                "+ attention (the JSON lines also give the roofline, max of the two, and the fraction of it). GPU "
                "phases from a second timed pass with events between phases (the sampler then runs outside the "
                "graph); host times from the plain pass.")
     for what, ok in verdicts:
         out.append(f"- {'PASS' if ok else 'MISS'}: {what}")
+    out += fp8_report(rows)
     out += sampling_report(sampling)
     print("\n".join(out))
+
+
+def fp8_report(rows):
+    """The fp8 KV cache's tokens/s over the bf16 cell layout's, per session count holding both."""
+    lines = []
+    for n in sorted(rows):
+        fp8, bf16 = rows[n].get("cellkv_cell_fp8"), rows[n].get("cellkv_cell_clustered")
+        if not fp8 or not bf16 or not bf16.get("metric"):
+            continue
+        kv = ""
+        if fp8.get("kv_bytes_per_cell") and bf16.get("kv_bytes_per_cell"):
+            kv = f", K/V bytes per cell {fp8['kv_bytes_per_cell']} vs {bf16['kv_bytes_per_cell']}"
+        lines.append(f"- fp8 KV cache, {n} sessions: {fp8['metric'] / bf16['metric']:.2f}x the bf16 cell layout's "
+                     f"tokens/s{kv}")
+    return [""] + lines if lines else []
 
 
 def sampling_report(recs):

@@ -4,7 +4,8 @@
 // and its own seed, the others are greedy), a live progress line, a summary with a picture of the
 // cell map at its fullest, and a solo re-run of a sample of sessions that must produce the same
 // tokens as in the batch (exit 1 otherwise): a seeded session draws the same tokens whoever it is
-// batched with. Context shift: every long_every-th request generates long_max_new tokens, past the
+// batched with (in fp32 arithmetic; in bf16 the re-run must match the batch's context shifts and
+// length, and the tokens' agreement is reported: check_solo). Context shift: every long_every-th request generates long_max_new tokens, past the
 // per-session budget of positions; when its sequence fills the budget the executor keeps the first
 // `keep` positions, drops the oldest half of the rest (K of the moved cells re-rotated) and
 // generates on. A solo re-run of a shifting session shifts at the same tokens.
@@ -190,9 +191,14 @@ Solo generate_alone(Exec& exec, const std::vector<std::int32_t>& prompt, std::in
 // Re-runs a sample of requests one at a time (solo) and compares with the batched tokens and
 // context shifts; a fork runs solo as a fresh session with its source's prompt. The sample holds a
 // fork, a sampled session, the first session that shifts, the first fork that shifts, and a spread.
-// Returns the number of mismatches.
+// exact (fp32 arithmetic): a re-run must give the same tokens and shifts. Otherwise (bf16
+// arithmetic, where a step's width changes the rounding: cuBLAS in a wide batch, the skinny GEMV
+// alone, so a near-tie may flip a token and everything after it) it must give the same number of
+// tokens and the same shifts (these depend on positions only), and the tokens' agreement (equal
+// tokens up to the first difference) is reported. Returns the number of mismatches.
 template <class RunSolo>
-int check_solo(const std::vector<Request>& requests, const Outcome& batched, const Settings& s, RunSolo&& run_solo) {
+int check_solo(const std::vector<Request>& requests, const Outcome& batched, const Settings& s, RunSolo&& run_solo,
+               bool exact = true) {
   int mismatches = 0;
   std::printf("\nsolo re-runs (each session alone in a fresh cache):\n");
   const auto n = static_cast<std::int32_t>(requests.size());
@@ -203,6 +209,7 @@ int check_solo(const std::vector<Request>& requests, const Outcome& batched, con
     return (5 * n) / 7;
   };
   std::vector<std::int32_t> chosen;
+  std::size_t agreed = 0, total = 0;
   for (std::int32_t k = 0; k < std::min(s.solo_checks, n); ++k) {
     std::int32_t i = k == 0 ? s.fork_every : k == 1 ? 1 : k == 2 ? first_shifting(false) : k == 3 ? first_shifting(true)
                                                                                                  : (k * 7 + 1) % n;
@@ -211,13 +218,25 @@ int check_solo(const std::vector<Request>& requests, const Outcome& batched, con
     const Request& r = requests[static_cast<std::size_t>(i)];
     const std::vector<std::int32_t>& prompt = r.fork_of >= 0 ? requests[static_cast<std::size_t>(r.fork_of)].prompt : r.prompt;
     const Solo solo = run_solo(prompt, r.max_new, r.sampling);
-    const bool same = solo.tokens == batched.tokens[static_cast<std::size_t>(i)] &&
-                      solo.shifts == batched.shifts[static_cast<std::size_t>(i)];
-    mismatches += same ? 0 : 1;
+    const std::vector<std::int32_t>& in_batch = batched.tokens[static_cast<std::size_t>(i)];
+    const bool same_tokens = solo.tokens == in_batch;
+    const bool same_shape = solo.tokens.size() == in_batch.size() && solo.shifts == batched.shifts[static_cast<std::size_t>(i)];
+    const auto prefix = static_cast<std::size_t>(
+        std::mismatch(solo.tokens.begin(), solo.tokens.end(), in_batch.begin(), in_batch.end()).first - solo.tokens.begin());
+    agreed += prefix;
+    total += in_batch.size();
+    const bool ok = same_shape && (same_tokens || !exact);
+    mismatches += ok ? 0 : 1;
+    char agreement[96] = "";
+    if (ok && !same_tokens)
+      std::snprintf(agreement, sizeof agreement, "same shifts; tokens equal up to token %zu of %zu", prefix, in_batch.size());
     std::printf("  session %2d%s %s prompt %3zu tokens, %3d generated, %d context shifts: %s\n", i,
                 r.fork_of >= 0 ? " (fork)" : "       ", r.sampling.temperature > 0.f ? "sampled" : "greedy ", prompt.size(),
-                r.max_new, solo.shifts, same ? "same tokens and shifts as in the batch" : "MISMATCH");
+                r.max_new, solo.shifts, !ok ? "MISMATCH" : same_tokens ? "same tokens and shifts as in the batch" : agreement);
   }
+  if (!exact)
+    std::printf("  tokens equal to the batch's up to the first difference: %zu of %zu (bf16 arithmetic: exact equality "
+                "is not promised)\n", agreed, total);
   return mismatches;
 }
 

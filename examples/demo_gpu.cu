@@ -1,11 +1,17 @@
 // The main demo: on the GPU when there is one (CUDA graphs, cuBLAS, cellkv's device cache), else
 // on the host reference path. Exits 1 when a solo re-run does not match the batch.
-//   build/examples/cellkv-demo
+//   build/examples/cellkv-demo [--kv fp32 | bf16 | fp8]
+// --kv picks the GPU cache's K/V storage and with it the model's arithmetic: fp32 (the default:
+// fp32 storage and arithmetic), bf16 (bf16 storage and arithmetic), fp8 (bf16 arithmetic, K/V
+// stored as E4M3 codes with an fp32 scale per row-head, gpu::Fp8<bf16>). The host path is fp32 only.
 #include <cellkv/batching/executor.hpp>
 #include <cellkv/gpu/device_cache.cuh>
 #include <cellkv/gpu/stream.hpp>
 
 #include <cstdio>
+#include <cstring>
+#include <string_view>
+#include <type_traits>
 
 #include "demo.hpp"
 #include "demo_host.hpp"
@@ -13,11 +19,18 @@
 
 namespace demo {
 
-// fp32 storage and arithmetic, so that a session alone and the same session in a batch produce
-// the same tokens (bf16 rounding of different batch shapes could flip a near-tie of two logits).
-int run_gpu() {
+// S: the cache's element parameter (float, __nv_bfloat16 or gpu::Fp8<__nv_bfloat16>). fp32 by
+// default, so that a session alone and the same session in a batch produce the same tokens (bf16
+// rounding of different batch shapes could flip a near-tie of two logits). With fp8 the quantization
+// itself is batch-invariant (each row-head's scale comes from that row-head alone), so a solo re-run
+// differs from the batch only where the bf16 arithmetic of the model does (compare --kv bf16): a
+// wide batch runs cuBLAS, a session alone the skinny GEMV, and their roundings differ. In bf16 the
+// check therefore asks for the batch's context shifts and length and reports the tokens' agreement
+// (demo.hpp check_solo); in fp32 it asks for the same tokens.
+template <class S>
+int run_gpu(const char* kv_name) {
   using Model = cellkv::Windows<0, 128, 0, 128, 0, 128>;
-  using Cache = cellkv::gpu::DeviceCache<cellkv::layout::cell, float, Model, cellkv::placement::clustered<64>, 64>;
+  using Cache = cellkv::gpu::DeviceCache<cellkv::layout::cell, S, Model, cellkv::placement::clustered<64>, 64>;
   const llama::Config config{.vocab = 2048, .dim = 512, .layers = Model::kLayers, .heads_q = 8, .heads_kv = 2,
                              .head_dim = 64, .ffn = 1024};
   const llama::Weights weights = llama::generate(config);
@@ -34,11 +47,17 @@ int run_gpu() {
                                      .heads_q = config.heads_q};
   cudaDeviceProp prop{};
   (void)cudaGetDeviceProperties(&prop, 0);
-  std::printf("cellkv demo on the GPU (%s): a %d-layer decoder in fp32 through cuBLAS, windows {0, 128} x 3, "
-              "cell layout, %d cells, CUDA graphs per step width\n",
-              prop.name, config.layers, cache_config.max_cells);
+  const bool fp32 = std::is_same_v<S, float>;
+  std::printf("cellkv demo on the GPU (%s): a %d-layer decoder in %s through cuBLAS, K/V cache %s, windows {0, 128} "
+              "x 3, cell layout, %d cells, CUDA graphs per step width\n",
+              prop.name, config.layers, fp32 ? "fp32" : "bf16", kv_name, cache_config.max_cells);
   cellkv::gpu::Stream stream;
   Cache cache(cache_config, shape);
+  const auto footprint = Cache::Shard::footprint(cache_config, shape);
+  if (footprint.ok())
+    std::printf("  K/V pools: %.1f MiB (%zu bytes per cell)\n",
+                static_cast<double>(footprint.value().kv_pools) / (1024.0 * 1024.0),
+                cellkv::pool_bytes_per_cell(shape, cellkv::gpu::kv_storage_of<S>()).value_or(0));
   llama::GpuLlama<Cache> model(config, weights, cache, stream.get());
   cellkv::batching::Executor exec(model, cache, s.limits);
   const auto requests = make_requests(s, config.vocab);
@@ -53,18 +72,39 @@ int run_gpu() {
     llama::GpuLlama<Cache> solo_model(config, weights, solo_cache, stream.get());
     cellkv::batching::Executor solo(solo_model, solo_cache, s.limits);
     return generate_alone(solo, prompt, max_new, sampling);
-  });
-  std::printf("%s\n", mismatches == 0 ? "OK: every solo re-run matched the batch" : "FAILED: solo re-runs differ");
+  }, /*exact=*/fp32);
+  std::printf("%s\n", mismatches != 0 ? "FAILED: solo re-runs differ"
+                       : fp32     ? "OK: every solo re-run matched the batch"
+                                  : "OK: every solo re-run matched the batch's context shifts and length");
   return mismatches == 0 ? 0 : 1;
 }
 
 }  // namespace demo
 
-int main() {
+int main(int argc, char** argv) {
+  std::string_view kv = "fp32";
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--kv") == 0 && i + 1 < argc) {
+      kv = argv[++i];
+    } else {
+      std::printf("usage: cellkv-demo [--kv fp32 | bf16 | fp8]\n");
+      return 2;
+    }
+  }
+  if (kv != "fp32" && kv != "bf16" && kv != "fp8") {
+    std::printf("cellkv demo: --kv takes fp32, bf16 or fp8, not %.*s\n", static_cast<int>(kv.size()), kv.data());
+    return 2;
+  }
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) return demo::run_host();
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    if (kv != "fp32") std::printf("cellkv demo: --kv %.*s needs a CUDA device; the host path runs in fp32\n",
+                                  static_cast<int>(kv.size()), kv.data());
+    return demo::run_host();
+  }
   try {
-    return demo::run_gpu();
+    if (kv == "fp8") return demo::run_gpu<cellkv::gpu::Fp8<__nv_bfloat16>>("fp8 e4m3 (fp32 scale per row-head)");
+    if (kv == "bf16") return demo::run_gpu<__nv_bfloat16>("bf16");
+    return demo::run_gpu<float>("fp32");
   } catch (const std::exception& e) {
     std::printf("cellkv demo: %s\n", e.what());
     return 1;

@@ -2,7 +2,8 @@
 // whole model (gpu_rank.cuh has the forward, the device sampler and the CUDA-graph policy).
 // Satisfies cellkv::batching::Model: forward() enqueues a step on the model's stream and returns;
 // retire() waits for the oldest step's sampled ids. tp_llama.cuh is the same model split over
-// several GPUs.
+// several GPUs. The model computes in Cache::Element (fp32, bf16 or fp16); the cache stores K/V as
+// Cache::Storage: that same type, or gpu::Fp8<Element> (E4M3 codes, quantized by the cache's write).
 #pragma once
 
 #include <cellkv/batching/model.hpp>
@@ -30,7 +31,7 @@ class GpuLlama {
   // cache's pool must match the config (layers, H_kv, D) and its max_write bounds the step width.
   GpuLlama(const Config& c, const Weights& w, Cache& cache, cudaStream_t stream, GpuOptions options = {})
       : c_(c), cache_(cache), rank_(c, w, cache, 0, cache.host().max_write(), stream, nullptr, options) {
-    using Rotation = cellkv::gpu::KeyRotation<typename Cache::Element>;
+    using Rotation = cellkv::gpu::KeyRotation<typename Cache::Storage>;  // fp8 caches re-quantize moved K
     if (const cellkv::Status s = cache.set_key_rotation(Rotation::rope(rope_spec(c))); !s.ok())
       throw std::invalid_argument("llama::GpuLlama: the cache refused the model's key rotation (" +
                                   std::string(s.message()) + ")");

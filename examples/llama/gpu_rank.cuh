@@ -85,7 +85,7 @@ struct PhaseTimes {
 template <class Attention>
 class GpuRank {
  public:
-  using T = typename Attention::Element;
+  using T = typename Attention::Element;  // the arithmetic and the cache's K/V inputs (fp8 caches: bf16/fp16)
   static constexpr int kSlots = 3;     // steps whose staging, results and events are kept
   static constexpr int kGemvRows = 16;  // the widest GEMV step
 

@@ -35,7 +35,7 @@ namespace llama {
 template <class Sharded>
 class TpLlama {
   using Shard = typename Sharded::Shard;
-  using T = typename Sharded::Element;
+  using T = typename Sharded::Element;  // the model's arithmetic and the cache's K/V inputs
 
  public:
   // Splits the weights over the cache's shards and uploads each slice to its device. reduce must
@@ -65,7 +65,7 @@ class TpLlama {
       throw std::runtime_error(what);
     }
     // The model's RoPE for the K rows seq_add / seq_div move (the executor's context shift).
-    if (const cellkv::Status s = cache.set_key_rotation(cellkv::gpu::KeyRotation<T>::rope(rope_spec(c))); !s.ok()) {
+    if (const cellkv::Status s = cache.set_key_rotation(cellkv::gpu::KeyRotation<typename Sharded::Storage>::rope(rope_spec(c))); !s.ok()) {
       release();
       throw std::invalid_argument("llama::TpLlama: the cache refused the model's key rotation (" +
                                   std::string(s.message()) + ")");
