@@ -102,14 +102,17 @@ std::vector<std::uint16_t> device_row(const Cache& cache, std::int32_t layer, st
 }
 
 // A cell cache whose sequence `seq` holds 0..3 and 8..15 (seq_rm of the middle range 4..7), its
-// tokens interleaved with those of another sequence; every row written by real steps.
-struct CellSource {
-  CellLowest cache{{.max_write = 16, .max_cells = 96}, kShape};
+// tokens interleaved with those of another sequence; every row written by real steps, the rest of
+// the pool `fill`ed with noise first.
+template <class Cache>
+struct SourceWithHole {
+  Cache cache{{.max_write = 16, .max_cells = 96}, kShape};
   gpu::Stream stream;
-  std::mt19937_64 rng{7};
+  std::mt19937_64 rng;
   std::int32_t other = -1, seq = -1;
-  CellSource() {
-    fill_noise(cache.pool(), rng);
+  template <class Fill>
+  SourceWithHole(std::uint64_t seed, Fill&& fill) : rng(seed) {
+    fill(cache.pool(), rng);
     other = cache.seq_new().value();
     seq = cache.seq_new().value();
     const std::vector<std::int32_t> first{other, seq, seq, other, seq, seq, seq, other, seq, seq};
@@ -120,6 +123,9 @@ struct CellSource {
     REQUIRE(cache.host().held_positions(seq).value() ==
             std::vector<std::int32_t>{0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15});
   }
+};
+struct CellSource : SourceWithHole<CellLowest> {
+  CellSource() : SourceWithHole(7, [](const auto& pool, std::mt19937_64& rng) { fill_noise(pool, rng); }) {}
 };
 
 // The next steps of `a` in cache x and `b` in cache y (a decode token, then a 3-token chunk) with
@@ -456,24 +462,9 @@ std::vector<float> scale_row(const Cache& cache, std::int32_t layer, std::int32_
   return out;
 }
 
-// CellSource over an fp8 cache: sequence `seq` holds 0..3 and 8..15, every row quantized by real steps.
-struct Fp8Source {
-  Fp8Cell cache{{.max_write = 16, .max_cells = 96}, kShape};
-  gpu::Stream stream;
-  std::mt19937_64 rng{17};
-  std::int32_t other = -1, seq = -1;
-  Fp8Source() {
-    fill_fp8_noise(cache.pool(), rng);
-    other = cache.seq_new().value();
-    seq = cache.seq_new().value();
-    const std::vector<std::int32_t> first{other, seq, seq, other, seq, seq, seq, other, seq, seq};
-    run_step(cache, first, Inputs(static_cast<std::int32_t>(first.size()), rng), stream);
-    const std::vector<std::int32_t> second{seq, seq, seq, other, seq, seq, seq, seq, seq, seq};
-    run_step(cache, second, Inputs(static_cast<std::int32_t>(second.size()), rng), stream);
-    REQUIRE(cache.seq_rm(seq, 4, 8).ok());
-    REQUIRE(cache.host().held_positions(seq).value() ==
-            std::vector<std::int32_t>{0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15});
-  }
+// SourceWithHole over an fp8 cache: every row of `seq` quantized by real steps.
+struct Fp8Source : SourceWithHole<Fp8Cell> {
+  Fp8Source() : SourceWithHole(17, [](const auto& pool, std::mt19937_64& rng) { fill_fp8_noise(pool, rng); }) {}
 };
 
 // Position p's codes and scales in x (sequence a) equal those in y (sequence b), every layer, bit for bit.

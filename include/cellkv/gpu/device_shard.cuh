@@ -140,7 +140,9 @@ class DeviceShard {
 
   // fp8 caches: the scaling of later writes (fp8.hpp; per-row scales by default). bad_argument,
   // nothing changed, for what check_fp8_config refuses (a static scale <= 0 or not finite, or not
-  // one {k, v} per layer). Rows written before keep their codes and scales.
+  // one {k, v} per layer). Rows written before keep their codes and scales. A write launch takes
+  // the scaling when it is enqueued: a graph captured before keeps the scaling it was captured
+  // with (capture again after changing it).
   Status set_fp8_config(Fp8Config config)
     requires kFp8Kv<T>
   {
