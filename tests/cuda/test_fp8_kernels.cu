@@ -2,11 +2,14 @@
 // reference on a HostFp8Pool driven by the same host cache (the device cache's own plan). The
 // device quantizes each row-head from bf16 inputs with the host's functions, so both pools hold the
 // same codes and scales; the reference dequantizes in double. What is checked:
-//   - magnitudes far outside fp16 (K and V row-heads from 1e-30 to 1e30, queries from 1e-30 to 1e25):
+//   - magnitudes far outside fp16 (K and V row-heads from 1e-30 to 1e30, queries from 1e-30 to 1e29):
 //     the decode kernel's per-row query shift and V-scale reference keep every output within
 //     tolerance of the reference (no overflow, no flush of a row to zero);
 //   - a NaN in one K row-head gives NaN to exactly the query heads of its KV head in its sequence:
-//     every other output stays finite and correct;
+//     every other output stays finite and correct; a NaN in one V row-head leaves every other
+//     sequence finite and correct;
+//   - one sequence long enough that every decode worker streams several tiles of a pair (the
+//     V-scale reference carried from tile to tile, split parts merged);
 //   - all-zero row-heads (scale 0) read as zeros.
 // Prompts run the prefill kernel, the following steps the decode kernel.
 #include <doctest/doctest.h>
@@ -80,9 +83,11 @@ double worst_error(const std::vector<bf16>& got, const std::vector<double>& want
 }
 
 // Three sequences: prompts of `prompt` tokens (one step each), then `decodes` steps of one token
-// each. nan_seq >= 0: the first prompt token of that sequence gets a NaN in K head 1, element 3.
+// each. nan_seq >= 0: the first prompt token of that sequence gets a NaN in K head 1, element 3
+// (nan_in_v: in V instead, and that sequence's outputs are not checked).
 template <int D>
-void run(const Magnitudes& m, std::int32_t prompt, std::int32_t decodes, std::int32_t nan_seq, std::uint64_t seed) {
+void run(const Magnitudes& m, std::int32_t prompt, std::int32_t decodes, std::int32_t nan_seq, std::uint64_t seed,
+         bool nan_in_v = false) {
   using Cache = gpu::DeviceCache<layout::cell, gpu::Fp8<bf16>, Windows<0>, placement::clustered<64>>;
   Cache cache({.max_write = 512, .max_cells = 4096, .max_seqs = 8}, {.layers = 1, .heads_kv = kHkv, .head_dim = D, .heads_q = kHq});
   REQUIRE(cache.runs_table_kernels());
@@ -97,9 +102,9 @@ void run(const Magnitudes& m, std::int32_t prompt, std::int32_t decodes, std::in
     REQUIRE(cache.declare_step(ids).ok());
     const auto T = static_cast<std::int32_t>(ids.size());
     auto k = scaled_rows(T, kHkv, D, m.k_lo, m.k_hi, rng);
-    const auto v = scaled_rows(T, kHkv, D, m.v_lo, m.v_hi, rng);
+    auto v = scaled_rows(T, kHkv, D, m.v_lo, m.v_hi, rng);
     const auto q = scaled_rows(T, kHq, D, m.q_lo, m.q_hi, rng);
-    if (poison_first) k[static_cast<std::size_t>(1 * D + 3)] = __float2bfloat16(NAN);
+    if (poison_first) (nan_in_v ? v : k)[static_cast<std::size_t>(1 * D + 3)] = __float2bfloat16(NAN);
     for (std::int32_t d = 0; d < D; ++d) k[static_cast<std::size_t>(T - 1) * kHkv * D + d] = from_double<bf16>(0.0);
     DeviceArray<bf16> dk(k), dv(v), dq(q), dout(q.size());
     REQUIRE(cache.upload(stream).ok());
@@ -112,8 +117,12 @@ void run(const Magnitudes& m, std::int32_t prompt, std::int32_t decodes, std::in
                 .ok());
     const std::int32_t bad = nan_seq >= 0 ? seqs[static_cast<std::size_t>(nan_seq)] : -1;
     double& worst = T == 1 || ids[0] != ids[1] ? worst_decode : worst_prefill;
-    worst = std::max(worst, worst_error(dout.download(), want, D, [&](std::int32_t t, std::int32_t h) {
-                       return ids[static_cast<std::size_t>(t)] == bad && h / (kHq / kHkv) == 1;
+    auto got = dout.download();
+    if (nan_in_v)  // the NaN sequence's rows are not checked: blank them on both sides
+      for (std::size_t i = 0; i < got.size(); ++i)
+        if (ids[i / static_cast<std::size_t>(kHq * D)] == bad) got[i] = from_double<bf16>(0.0), want[i] = 0.0;
+    worst = std::max(worst, worst_error(got, want, D, [&](std::int32_t t, std::int32_t h) {
+                       return !nan_in_v && ids[static_cast<std::size_t>(t)] == bad && h / (kHq / kHkv) == 1;
                      }));
   };
   for (std::size_t s = 0; s < seqs.size(); ++s)
@@ -149,4 +158,51 @@ TEST_CASE("fp8 table kernels: a NaN in one K row-head poisons only the query hea
   const Magnitudes normal{0, 0, 0, 0, 0, 0};
   run<128>(normal, 40, 3, 1, 6);
   run<64>(normal, 90, 2, 0, 7);
+}
+
+TEST_CASE("fp8 table kernels: a NaN in one V row-head leaves the other sequences finite and correct") {
+  const Magnitudes normal{0, 0, 0, 0, 0, 0};
+  run<128>(normal, 40, 3, 1, 8, true);
+  run<256>(normal, 70, 2, 2, 9, true);
+}
+
+// One sequence of `len` positions (prompt chunks of 512, written on both sides, attended on the
+// device only), then decode steps checked against the float64 reference: at D 128 and H_kv 2 a
+// step of 40,960 positions is 2,560 tiles, several per decode worker, each pair split into parts.
+TEST_CASE("fp8 table kernels: a long sequence (several tiles per decode worker) against the float64 reference") {
+  constexpr int D = 128;
+  constexpr std::int32_t len = 40960, chunk = 512;
+  using Cache = gpu::DeviceCache<layout::cell, gpu::Fp8<bf16>, Windows<0>, placement::clustered<64>>;
+  Cache cache({.max_write = chunk, .max_cells = len + 64, .max_seqs = 2}, {.layers = 1, .heads_kv = kHkv, .head_dim = D, .heads_q = kHq});
+  REQUIRE(cache.runs_table_kernels());
+  HostFp8Pool host(1, cache.pool().rows(), kHkv, D);
+  gpu::Stream stream;
+  std::mt19937_64 rng(10);
+  const std::int32_t seq = cache.seq_new().value();
+  const Magnitudes m{-1, 0.5, -8, 8, -1, 0};  // V scales over 16 orders: the reference is raised tile after tile
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  double worst = 0;
+  for (std::int32_t pos = 0; pos < len + 2; pos += pos < len ? chunk : 1) {
+    const bool decode = pos >= len;
+    const std::vector<std::int32_t> ids(static_cast<std::size_t>(decode ? 1 : chunk), seq);
+    REQUIRE(cache.declare_step(ids).ok());
+    const auto T = static_cast<std::int32_t>(ids.size());
+    const auto k = scaled_rows(T, kHkv, D, m.k_lo, m.k_hi, rng), v = scaled_rows(T, kHkv, D, m.v_lo, m.v_hi, rng);
+    const auto q = scaled_rows(T, kHq, D, m.q_lo, m.q_hi, rng);
+    DeviceArray<bf16> dk(k), dv(v), dq(q), dout(q.size());
+    REQUIRE(cache.upload(stream).ok());
+    REQUIRE(cache.update_and_attend(0, dq.data(), dk.data(), dv.data(), dout.data(), T, kHq, scale, stream).ok());
+    REQUIRE(cache.commit(stream).ok());
+    stream.synchronize();
+    if (!decode) {
+      REQUIRE(reference::write(host.view(0), as_float(k), as_float(v), cache.host().step().rows).ok());
+      continue;
+    }
+    std::vector<double> want(q.size());
+    REQUIRE(reference::update_and_attend(cache.host(), 0, host.view(0), std::span<const double>(as_double(q)), as_float(k),
+                                         as_float(v), std::span<double>(want), kHq, scale)
+                .ok());
+    worst = std::max(worst, worst_error(dout.download(), want, D, [](std::int32_t, std::int32_t) { return false; }));
+  }
+  CHECK(worst < 2e-2);
 }

@@ -49,7 +49,7 @@ __device__ __forceinline__ void convert_codes(const std::uint32_t (&codes)[N], c
 #pragma unroll
   for (int i = 0; i < P * kChunks / 32; ++i) {
     const int idx = lane + 32 * i, row = idx / kChunks, chunk = idx % kChunks;
-    const int first = D >= 128 ? (chunk >> 2) & 1 : 0;  // which half this lane stores first
+    const bool swap = D >= 128 && ((chunk >> 2) & 1) != 0;  // this lane stores its second half first
 #pragma unroll
     for (int t = 0; t < N; ++t) {
       std::uint32_t w[4];
@@ -59,12 +59,14 @@ __device__ __forceinline__ void convert_codes(const std::uint32_t (&codes)[N], c
       std::uint32_t h[8];
 #pragma unroll
       for (int j = 0; j < 4; ++j) e4m3x4_to_half2x2(w[j], h[2 * j], h[2 * j + 1]);
+      std::uint32_t a[4], b[4];  // the halves in store order (selects: no runtime index into h)
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const int half = k ^ first;
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(tiles[t] + SwizzledTile<D>::offset(row, 2 * chunk + half)),
-                     "r"(h[4 * half]), "r"(h[4 * half + 1]), "r"(h[4 * half + 2]), "r"(h[4 * half + 3]));
-      }
+      for (int j = 0; j < 4; ++j) a[j] = swap ? h[4 + j] : h[j], b[j] = swap ? h[j] : h[4 + j];
+      const int first = swap ? 1 : 0;
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(tiles[t] + SwizzledTile<D>::offset(row, 2 * chunk + first)),
+                   "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]));
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(tiles[t] + SwizzledTile<D>::offset(row, 2 * chunk + 1 - first)),
+                   "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]));
     }
   }
 }
@@ -95,7 +97,10 @@ struct ValueRef {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float carried = ref[h] * corr[h];
-      const float next = fmaxf(carried, tile_max[h]);
+      // At least the smallest normal float: 1 / ref stays finite (a weight of a row whose every
+      // weight is below 2^-126 then enters the MMA below 1, still exact to fp16's precision).
+      const float top = fmaxf(carried, tile_max[h]);
+      const float next = top > 0.f ? fmaxf(top, 1.17549435e-38f) : 0.f;
       f[h] = next > 0.f ? carried / next : corr[h];
       ref[h] = next;
     }

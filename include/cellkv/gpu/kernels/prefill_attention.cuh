@@ -168,13 +168,18 @@ __device__ __forceinline__ void issue_fp8_tile(const Fp8PoolView<const Fp8E4M3>&
 // Two E4M3 codes (the low byte first) x scale as two T (the low half first): the codes decode
 // exactly to f16 (cvt.rn.f16x2.e4m3x2: every E4M3 value is an f16 value; the NaN codes 0x7F and
 // 0xFF give the f16 NaN 0x7FFF), then each is multiplied by the scale in fp32 and rounded to T
-// once: T(decode_e4m3(code) x scale), fp8.hpp. A NaN code stays NaN; a zero-filled row (codes 0,
-// scale 0) gives 0.
+// once: T(decode_e4m3(code) x scale), fp8.hpp, clamped to +-65504 for fp16 (a static scale can
+// put 448 x scale past it). A NaN code stays NaN; a zero-filled row (codes 0, scale 0) gives 0.
 template <class T>
 __device__ __forceinline__ std::uint32_t dequantize_e4m3x2(std::uint32_t codes, float scale) {
   const std::uint32_t h2 = e4m3x2_to_half2(codes);
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
-  return pack2<T>(f.x * scale, f.y * scale);
+  float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+  f.x *= scale, f.y *= scale;
+  if constexpr (std::is_same_v<T, __half>) {  // a static scale can put 448 x scale past fp16's 65504
+    auto clamp = [](float x) { return x > 65504.f ? 65504.f : x < -65504.f ? -65504.f : x; };  // NaN stays NaN
+    f.x = clamp(f.x), f.y = clamp(f.y);
+  }
+  return pack2<T>(f.x, f.y);
 }
 
 // Converts the fp8 tile of a landed stage into the swizzled T tiles k_dst and v_dst. A thread
