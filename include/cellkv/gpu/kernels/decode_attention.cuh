@@ -55,7 +55,10 @@ struct DecodeTile {
   static constexpr std::uint32_t kBytes = kPositions * D * Bytes;  // one tensor's staged tile
   static constexpr std::uint32_t kScaleBytes = kFp8 ? kPositions * 4 : 0;  // one tensor's scales
   static constexpr std::uint32_t kStageBytes = 2 * (kBytes + kScaleBytes);
-  static constexpr std::uint32_t kComputeBytes = kFp8 ? 2 * kPositions * D * 2 : 0;  // the fp16 K and V tiles
+  // fp8, D <= 128: the score MMA reads its K operands straight from the staged codes (permuted head
+  // dimension, kernels/fp8_tiles.cuh qk_codes), so only V is converted to an fp16 tile.
+  static constexpr bool kDirectK = kFp8 && D <= 128;
+  static constexpr std::uint32_t kComputeBytes = kFp8 ? (kDirectK ? 1 : 2) * kPositions * D * 2 : 0;  // fp16 tiles
   static constexpr int kNT = kPositions / 8;                       // MMA n-tiles of the scores
   static_assert(kPagePositions % kPositions == 0 && kPositions % 16 == 0 && kLoads * 32 == kPositions * kChunks);
 };
@@ -70,7 +73,7 @@ constexpr int decode_warp_smem_bytes(int head_dim, int stages, int element_bytes
   const int positions = decode_tile_positions(head_dim, element_bytes);
   const bool fp8 = element_bytes == 1;
   const int stage = 2 * (positions * head_dim * element_bytes + (fp8 ? positions * 4 : 0));
-  const int compute = fp8 ? 2 * positions * head_dim * 2 : 0;
+  const int compute = fp8 ? (head_dim <= 128 ? 1 : 2) * positions * head_dim * 2 : 0;  // DecodeTile::kDirectK
   const int query = head_dim <= 128 ? 0 : kDecodeRows * head_dim * 2;
   return (stages * stage + compute + query + 127) / 128 * 128;
 }
@@ -226,9 +229,10 @@ struct RowFetch {
 
 // One warp's ring of KV stages in shared memory, filled by 16-byte cp.async copies gathered
 // through the tile's row ids (-1: a row nobody sees, zero-filled); one commit group per ring slot,
-// in ring order. bf16 / fp16: swizzled tiles the MMA reads. fp8: rows of codes (unswizzled, D bytes
-// each) that convert_codes turns into the fp16 K and V tiles after the stages, and each row's K and
-// V scale.
+// in ring order. bf16 / fp16: swizzled tiles the MMA reads. fp8: rows of codes (D bytes each) and
+// each row's K and V scale; convert_codes turns the V codes (and for D = 256 the K codes) into fp16
+// tiles after the stages, and for D <= 128 the score MMA reads the K codes where they landed (16-byte
+// chunks swizzled by CodeTile, so its 4-byte reads are free of bank conflicts).
 template <int D, int Stages, int Bytes = 2>
 struct StageRing {
   using G = DecodeTile<D, Bytes>;
@@ -238,9 +242,9 @@ struct StageRing {
   __device__ std::uint32_t v(int s) const { return k(s) + G::kBytes; }
   __device__ std::uint32_t k_scales(int s) const { return k(s) + 2 * G::kBytes; }  // fp8: [kPositions] fp32
   __device__ std::uint32_t v_scales(int s) const { return k_scales(s) + G::kScaleBytes; }
-  // fp8: the fp16 K and V tiles a stage's codes are converted into, after the stages.
+  // fp8: the fp16 tiles a stage's codes are converted into, after the stages (V only with kDirectK).
   __device__ std::uint32_t k_half() const { return base + Stages * G::kStageBytes; }
-  __device__ std::uint32_t v_half() const { return k_half() + G::kComputeBytes / 2; }
+  __device__ std::uint32_t v_half() const { return k_half() + (G::kDirectK ? 0 : G::kComputeBytes / 2); }
   // The query tile (D = 256), after everything else.
   __device__ std::uint32_t query() const { return base + Stages * G::kStageBytes + G::kComputeBytes; }
 
@@ -255,7 +259,9 @@ struct StageRing {
       const int id = __shfl_sync(0xffffffffu, ids[i / G::kChunks], r % 32);
       const std::int64_t off = id >= 0 ? pool.offset(id, hk) + chunk * kElemsPerChunk : 0;
       const std::uint32_t dst = G::kFp8 ? static_cast<std::uint32_t>(r * D + chunk * 16) : SwizzledTile<D>::offset(r, chunk);
-      cp_async_16(k(s) + dst, pool.k + off, id >= 0, policy);
+      std::uint32_t k_dst = dst;
+      if constexpr (G::kDirectK) k_dst = CodeTile<D>::offset(r, chunk);
+      cp_async_16(k(s) + k_dst, pool.k + off, id >= 0, policy);
       cp_async_16(v(s) + dst, pool.v + off, id >= 0, policy);
     }
     if constexpr (G::kFp8) {
@@ -283,7 +289,9 @@ struct StageRing {
 // D <= 128: straight from global memory into the fragments' registers (call before the wait for
 // the tile, so the latency overlaps it). D = 256: through a swizzled shared tile the fragments
 // read at each use (register budget), half the rows at a time, after the wait.
-template <int D, class T>
+// Permuted (fp8 with kDirectK): the head dimension in qk_codes' order, a0 (g, 2c..2c+1), a2
+// (g, 2c+2..2c+3) of each 16-column block (fp8_tiles.cuh), so K's operands are 4 consecutive codes.
+template <int D, bool Permuted = false, class T>
 __device__ __forceinline__ void load_query_registers(QFragments<D>& q, const T* src, int heads_q, const PairRows& p,
                                                      int lane) {
   const int g = lane >> 2, c = (lane & 3) * 2;
@@ -299,7 +307,7 @@ __device__ __forceinline__ void load_query_registers(QFragments<D>& q, const T* 
   for (int kk = 0; kk < D / 16; ++kk)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {  // a0 (g, c), a1 (g + 8, c), a2 (g, c + 8), a3 (g + 8, c + 8)
-      const int h = i & 1, col = 16 * kk + c + (i >> 1) * 8;
+      const int h = i & 1, col = 16 * kk + (Permuted ? 2 * c + (i >> 1) * 2 : c + (i >> 1) * 8);
       q.regs[kk][i] = valid[h] ? *reinterpret_cast<const std::uint32_t*>(rows[h] + col) : 0u;
     }
 }
@@ -340,10 +348,10 @@ __device__ __forceinline__ float exp2_int(int e) { return __uint_as_float(static
 
 // fp8 pools, D <= 128: the pair's query rows as fp16 fragments of q x 2^shift(row) (fp8_tiles.cuh).
 // unshift[h] = 2^-shift of this lane's row lane / 4 + 8 h.
-template <int D, class T>
+template <int D, bool Permuted, class T>
 __device__ __forceinline__ void load_query_fp16_registers(QFragments<D>& q, const T* src, int heads_q, const PairRows& p,
                                                           int lane, float (&unshift)[2]) {
-  load_query_registers<D>(q, src, heads_q, p, lane);
+  load_query_registers<D, Permuted>(q, src, heads_q, p, lane);
   float amax[2] = {0.f, 0.f};
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
@@ -658,7 +666,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
     const PairRows p{cc.seg, group, cc.h, cc.seg.len * group};
     if constexpr (kQueryInRegisters<D>) {
       if (starts) {
-        if constexpr (kFp8) load_query_fp16_registers<D>(q, a.q, a.heads_q, p, lane, unshift);
+        if constexpr (kFp8) load_query_fp16_registers<D, G::kDirectK>(q, a.q, a.heads_q, p, lane, unshift);
         else load_query_registers<D>(q, a.q, a.heads_q, p, lane);
       }
     }
@@ -678,9 +686,15 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
     float s[G::kNT][4];
     auto qpos = [&](int r) { return p.qpos(r); };
     if constexpr (kFp8) {
-      convert_codes<D, G::kPositions>({ring.k(cur), ring.v(cur)}, {ring.k_half(), ring.v_half()}, lane);
-      __syncwarp();
-      qk<D, G::kNT, M>(s, q, ring.k_half(), 0, lane);
+      if constexpr (G::kDirectK) {
+        convert_codes<D, G::kPositions>({ring.v(cur)}, {ring.v_half()}, lane);
+        qk_codes<D, G::kNT>(s, q, ring.k(cur), lane);
+        __syncwarp();  // the V tile, written by every lane, before pv reads it
+      } else {
+        convert_codes<D, G::kPositions>({ring.k(cur), ring.v(cur)}, {ring.k_half(), ring.v_half()}, lane);
+        __syncwarp();
+        qk<D, G::kNT, M>(s, q, ring.k_half(), 0, lane);
+      }
       float ks[G::kNT][2];
       column_scales<G::kNT>(ring.k_scales(cur), ks, lane);
       const float row_factor[2] = {unshift[0] * a.scale_log2, unshift[1] * a.scale_log2};

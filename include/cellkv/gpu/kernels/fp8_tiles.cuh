@@ -2,6 +2,7 @@
 // and an fp32 scale per row-head, fp8_pool_view.hpp), one warp per tile:
 //   convert_codes  staged tiles of codes [P][D] -> swizzled fp16 tiles (exact: every E4M3 value is
 //                  an fp16 value, so K and V enter the MMA unrounded)
+//   qk_codes       the score MMA reading K codes where they landed (D <= 128), no fp16 K tile
 //   query_shift    the power of two that brings a query row into fp16 range
 //   ValueRef       the running reference of the V scales a pair has seen
 //
@@ -67,6 +68,45 @@ __device__ __forceinline__ void convert_codes(const std::uint32_t (&codes)[N], c
                    "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]));
       asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(tiles[t] + SwizzledTile<D>::offset(row, 2 * chunk + 1 - first)),
                    "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]));
+    }
+  }
+}
+
+// Staged K codes the score MMA reads in place (D <= 128): rows of D bytes whose 16-byte chunks are
+// swizzled so that the 8 rows an MMA n-block reads at one chunk sit in 8 distinct bank groups.
+template <int D>
+struct CodeTile {
+  static_assert(D == 64 || D == 128, "K codes are read in place for D = 64 and 128");
+  static constexpr int kChunks = D / 16;
+  static __device__ __forceinline__ int swizzle(int row) { return D == 128 ? row & 7 : (row >> 1) & 3; }
+  static __device__ __forceinline__ std::uint32_t offset(int row, int chunk) {
+    return static_cast<std::uint32_t>(row * D + ((chunk ^ swizzle(row)) * 16));
+  }
+};
+
+// S (16 rows x 8 NT positions) = Q K^T with K read as codes from a CodeTile: in each 16-column
+// block of the head dimension, the MMA's k index 2c + j (c = lane % 4, j < 2) stands for head
+// element 4c + j and k index 2c + 8 + j for 4c + 2 + j, so a lane's B operands of an n-block are the
+// 4 consecutive codes [4c, 4c + 4) of its row, one 32-bit read; the query fragments were loaded in
+// the same order (load_query_registers<D, true>). Unscaled codes, fp16 MMA.
+template <int D, int NT, class Q>
+__device__ __forceinline__ void qk_codes(float (&s)[NT][4], const Q& q, std::uint32_t k_codes, int lane) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] = 0.f;
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    std::uint32_t a[4];
+    q.get(a, kk, lane);
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const int row = 8 * n + g;
+      std::uint32_t word, b0, b1;
+      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(word) : "r"(k_codes + CodeTile<D>::offset(row, kk) + 4 * c));
+      e4m3x4_to_half2x2(word, b0, b1);
+      mma_16816<__half>(s[n], a, b0, b1);
     }
   }
 }
