@@ -4,7 +4,7 @@
 //                  an fp16 value, so K and V enter the MMA unrounded)
 //   qk_codes       the score MMA reading K codes where they landed (D <= 128), no fp16 K tile
 //   query_shift    the power of two that brings a query row into fp16 range
-//   ValueRef       the running reference of the V scales a pair has seen
+//   ValueRef       the running reference of the weights p x v_scale a pair's rows have seen
 //
 // The MMA runs in fp16 on unscaled codes; the scales stay outside it:
 //   score(r, c) = (q'(r) . code_k(c)) x 2^-shift(r) x k_scale(c)      q'(r) = fp16(q(r) x 2^shift(r))
