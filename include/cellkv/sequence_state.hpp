@@ -344,6 +344,24 @@ Result<SavedState> parse_state_for(const Cache& cache, std::span<const std::byte
                      cache.position_limit());
 }
 
+namespace detail {
+// What every host restore does: parse `bytes` against `shape` and the cache's limits, place a new
+// sequence at the saved positions, then write_row(state, layer, i, pool row) for every layer and
+// held position i. Refused, changing nothing, for parse_state_for's and restore_positions' reasons.
+template <class Cache, class WriteRow>
+Result<std::int32_t> restore_rows(Cache& cache, std::span<const std::byte> bytes, const StateShape& shape,
+                                  WriteRow&& write_row) {
+  const Result<SavedState> parsed = parse_state_for(cache, bytes, shape);
+  if (!parsed.ok()) return parsed.status().code();
+  const SavedState& s = parsed.value();
+  const Result<std::int32_t> id = cache.restore_positions(s.positions);
+  if (!id.ok()) return id;
+  for (std::int32_t l = 0; l < s.shape.layers; ++l)
+    for (std::size_t i = 0; i < s.positions.size(); ++i) write_row(s, l, i, cache.row_of(id.value(), s.positions[i]));
+  return id;
+}
+}  // namespace detail
+
 // The state of sequence id: its held positions and their K and V rows in `pool`.
 template <class Cache, class T>
 Result<std::vector<std::byte>> save_sequence(const Cache& cache, HostPool<T>& pool, std::int32_t id,
@@ -364,21 +382,13 @@ Result<std::vector<std::byte>> save_sequence(const Cache& cache, HostPool<T>& po
 template <class Cache, class T>
 Result<std::int32_t> restore_sequence(Cache& cache, HostPool<T>& pool, std::span<const std::byte> bytes,
                                       std::uint32_t dtype) {
-  const Result<SavedState> parsed = parse_state_for(cache, bytes, state_shape<Cache>(pool, dtype));
-  if (!parsed.ok()) return parsed.status().code();
-  const SavedState& s = parsed.value();
-  const Result<std::int32_t> id = cache.restore_positions(s.positions);
-  if (!id.ok()) return id;
-  for (std::int32_t l = 0; l < s.shape.layers; ++l) {
-    const PoolView<T> v = pool.view(l);
-    for (std::size_t i = 0; i < s.positions.size(); ++i) {
-      const std::int64_t row = cache.row_of(id.value(), s.positions[i]);
-      const std::span<const std::byte> k = s.row(l, 0, i), vv = s.row(l, 1, i);  // row_bytes() each
-      std::memcpy(v.k + row * pool.row_elems(), k.data(), k.size());
-      std::memcpy(v.v + row * pool.row_elems(), vv.data(), vv.size());
-    }
-  }
-  return id;
+  return detail::restore_rows(cache, bytes, state_shape<Cache>(pool, dtype),
+                              [&](const SavedState& s, std::int32_t l, std::size_t i, std::int64_t row) {
+                                const PoolView<T> v = pool.view(l);
+                                const std::span<const std::byte> k = s.row(l, 0, i), vv = s.row(l, 1, i);
+                                std::memcpy(v.k + row * pool.row_elems(), k.data(), k.size());
+                                std::memcpy(v.v + row * pool.row_elems(), vv.data(), vv.size());
+                              });
 }
 
 // ---- a host cache and its fp8 pool (host_fp8_pool.hpp): codes and scales ----
@@ -408,23 +418,16 @@ Result<std::vector<std::byte>> save_sequence(const Cache& cache, HostFp8Pool& po
 // element storage into this pool, or the reverse: state_mismatch).
 template <class Cache>
 Result<std::int32_t> restore_sequence(Cache& cache, HostFp8Pool& pool, std::span<const std::byte> bytes, std::uint32_t dtype) {
-  const Result<SavedState> parsed = parse_state_for(cache, bytes, state_shape<Cache>(pool, dtype));
-  if (!parsed.ok()) return parsed.status().code();
-  const SavedState& s = parsed.value();
-  const Result<std::int32_t> id = cache.restore_positions(s.positions);
-  if (!id.ok()) return id;
-  for (std::int32_t l = 0; l < s.shape.layers; ++l) {
-    const Fp8PoolView<Fp8E4M3> v = pool.view(l);
-    for (std::size_t i = 0; i < s.positions.size(); ++i) {
-      const std::int64_t row = cache.row_of(id.value(), s.positions[i]);
-      for (std::int32_t kv = 0; kv < 2; ++kv) {
-        const std::span<const std::byte> codes = s.row(l, kv, i), scales = s.scale_row(l, kv, i);
-        std::memcpy((kv == 0 ? v.k : v.v) + v.offset(row, 0), codes.data(), codes.size());
-        std::memcpy((kv == 0 ? v.k_scale : v.v_scale) + v.scale_offset(row, 0), scales.data(), scales.size());
-      }
-    }
-  }
-  return id;
+  return detail::restore_rows(cache, bytes, state_shape<Cache>(pool, dtype),
+                              [&](const SavedState& s, std::int32_t l, std::size_t i, std::int64_t row) {
+                                const Fp8PoolView<Fp8E4M3> v = pool.view(l);
+                                for (std::int32_t kv = 0; kv < 2; ++kv) {
+                                  const std::span<const std::byte> codes = s.row(l, kv, i), scales = s.scale_row(l, kv, i);
+                                  std::memcpy((kv == 0 ? v.k : v.v) + v.offset(row, 0), codes.data(), codes.size());
+                                  std::memcpy((kv == 0 ? v.k_scale : v.v_scale) + v.scale_offset(row, 0), scales.data(),
+                                              scales.size());
+                                }
+                              });
 }
 
 }  // namespace cellkv

@@ -116,7 +116,6 @@ class KVPool<L, Fp8<In>> {
     scales_ = DeviceBuffer<float>(static_cast<std::size_t>(scale_elems()) * layers2);
     CELLKV_CUDA_THROW(cudaMemset(codes_.data(), 0, codes_.bytes()));
     CELLKV_CUDA_THROW(cudaMemset(scales_.data(), 0, scales_.bytes()));
-    config_.static_scales.clear();
   }
 
   [[nodiscard]] const PoolShape& shape() const noexcept { return shape_; }
