@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cellkv/batching/device_sampling.cuh>
+#include <cellkv/gpu/kernels/dependent_launch.cuh>
 #include <cellkv/gpu/kernels/mma.cuh>
 #include <cellkv/gpu/numeric.cuh>
 
@@ -70,72 +71,66 @@ __device__ __forceinline__ void store_qkv_pair(float y0, float y1, std::int32_t 
   out[static_cast<std::int64_t>(b) * width + col + 1] = cellkv::gpu::from_float<T>(y1);
 }
 
-// qkv [rows, q_w + 2 kv_w] -> q, k (rotated), v; one block per row.
+// Two adjacent elements, read or written as one access (both buffers below hold pairs at even
+// offsets of rows of even length).
+template <class T>
+struct alignas(2 * sizeof(T)) Pair {
+  T first, second;
+};
+
+// qkv [rows, q_w + 2 kv_w] -> q, k (rotated), v. Grid (ceil(n / 2 / 128), rows), 128 threads:
+// one thread per column pair.
+inline constexpr int kRopeThreads = 128;
 template <class T>
 __global__ void rope_split(const T* qkv, T* q, T* k, T* v, const std::int32_t* positions, std::int32_t q_w,
                            std::int32_t kv_w, std::int32_t head_dim, float theta) {
-  const std::int32_t n = q_w + 2 * kv_w;
-  const T* row = qkv + static_cast<std::int64_t>(blockIdx.x) * n;
-  for (std::int32_t c = 2 * static_cast<std::int32_t>(threadIdx.x); c < n; c += 2 * static_cast<std::int32_t>(blockDim.x))
-    store_qkv_pair(cellkv::gpu::to_float(row[c]), cellkv::gpu::to_float(row[c + 1]), c, static_cast<std::int32_t>(blockIdx.x),
-                   q, k, v, positions, q_w, kv_w, head_dim, theta);
+  const std::int32_t n = q_w + 2 * kv_w, row = static_cast<std::int32_t>(blockIdx.y);
+  const std::int32_t c = 2 * static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (c >= n) return;
+  const Pair<T> p = reinterpret_cast<const Pair<T>*>(qkv + static_cast<std::int64_t>(row) * n)[c / 2];
+  store_qkv_pair(cellkv::gpu::to_float(p.first), cellkv::gpu::to_float(p.second), c, row, q, k, v, positions, q_w, kv_w,
+                 head_dim, theta);
 }
 
 // a[r, j] = silu(h13[r, 2j]) * h13[r, 2j + 1] for j < ffn: the SwiGLU of the interleaved W13 output.
+// Grid (ceil(ffn / 256), rows), 256 threads: one thread per output.
+inline constexpr int kSwigluThreads = 256;
 template <class T>
-__global__ void swiglu_pairs(const T* h13, T* a, std::int32_t ffn, std::int64_t n) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t r = i / ffn, j = i % ffn;
-    const float g = cellkv::gpu::to_float(h13[r * 2 * ffn + 2 * j]);
-    a[i] = cellkv::gpu::from_float<T>(g / (1.f + __expf(-g)) * cellkv::gpu::to_float(h13[r * 2 * ffn + 2 * j + 1]));
-  }
+__global__ void swiglu_pairs(const T* h13, T* a, std::int32_t ffn) {
+  const std::int64_t row = blockIdx.y;
+  const std::int32_t j = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (j >= ffn) return;
+  const Pair<T> p = reinterpret_cast<const Pair<T>*>(h13 + row * 2 * ffn)[j];
+  const float g = cellkv::gpu::to_float(p.first);
+  a[row * ffn + j] = cellkv::gpu::from_float<T>(g / (1.f + __expf(-g)) * cellkv::gpu::to_float(p.second));
 }
 
-// y[row] = x[row] / rms(x[row]) * gain; one block of 256 threads per row.
+// y[row] = x[row] / rms(x[row]) * gain; one block of kNormThreads threads per row. The sum of
+// squares: per thread over its elements, then per warp (butterfly), then the warps' sums in warp
+// order, so a row's result does not depend on the other rows.
+inline constexpr int kNormThreads = 256;
 template <class T>
-__global__ void rmsnorm(const T* x, const T* gain, T* y, std::int32_t dim, float eps) {
-  __shared__ float partial[256];
-  const T* xr = x + static_cast<std::int64_t>(blockIdx.x) * dim;
+__global__ void __launch_bounds__(kNormThreads) rmsnorm(const T* x, const T* gain, T* y, std::int32_t dim, float eps) {
+  __shared__ float warp_sums[kNormThreads / 32];
+  const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * dim;
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
   float ss = 0.f;
-  for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += cellkv::gpu::to_float(xr[i]) * cellkv::gpu::to_float(xr[i]);
-  partial[threadIdx.x] = ss;
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < dim; i += kNormThreads) {
+    const float v = cellkv::gpu::to_float(x[base + i]);
+    ss += v * v;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (lane == 0) warp_sums[warp] = ss;
   __syncthreads();
-  for (int s = 128; s > 0; s >>= 1) {
-    if (static_cast<int>(threadIdx.x) < s) partial[threadIdx.x] += partial[threadIdx.x + s];
-    __syncthreads();
-  }
-  const float inv = rsqrtf(partial[0] / static_cast<float>(dim) + eps);
-  for (int i = threadIdx.x; i < dim; i += blockDim.x)
-    y[static_cast<std::int64_t>(blockIdx.x) * dim + i] =
-        cellkv::gpu::from_float<T>(cellkv::gpu::to_float(xr[i]) * inv * cellkv::gpu::to_float(gain[i]));
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kNormThreads / 32; ++w) total += warp_sums[w];
+  const float inv = rsqrtf(total / static_cast<float>(dim) + eps);
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < dim; i += kNormThreads)
+    y[base + i] = cellkv::gpu::from_float<T>(cellkv::gpu::to_float(x[base + i]) * inv * cellkv::gpu::to_float(gain[i]));
 }
 
-// Rotates pairs (2i, 2i + 1) of every head of row blockIdx.x by position * theta^(-2i / D).
-template <class T>
-__global__ void rope(T* x, const std::int32_t* positions, std::int32_t heads, std::int32_t head_dim, float theta) {
-  const float pos = static_cast<float>(positions[blockIdx.x]);
-  for (int j = threadIdx.x; j < heads * head_dim / 2; j += blockDim.x) {
-    const int h = j / (head_dim / 2), i = j % (head_dim / 2);
-    T* p = x + (static_cast<std::int64_t>(blockIdx.x) * heads + h) * head_dim + 2 * i;
-    const float a = pos * powf(theta, -2.f * static_cast<float>(i) / static_cast<float>(head_dim));
-    float sn = 0.f, cs = 0.f;
-    sincosf(a, &sn, &cs);
-    const float x0 = cellkv::gpu::to_float(p[0]), x1 = cellkv::gpu::to_float(p[1]);
-    p[0] = cellkv::gpu::from_float<T>(x0 * cs - x1 * sn);
-    p[1] = cellkv::gpu::from_float<T>(x0 * sn + x1 * cs);
-  }
-}
-
-// a = silu(a) * b, elementwise over n.
-template <class T>
-__global__ void swiglu(T* a, const T* b, std::int64_t n) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const float v = cellkv::gpu::to_float(a[i]);
-    a[i] = cellkv::gpu::from_float<T>(v / (1.f + __expf(-v)) * cellkv::gpu::to_float(b[i]));
-  }
-}
 // parts[0..n_parts)[i] = sum over p of parts[p][i], for i < n: the in-place all-reduce of buffers
 // that share one device. Sums in rank order, accumulating in float.
 template <class T, int MaxParts>
@@ -219,9 +214,10 @@ __device__ __forceinline__ void load_vec(const T* p, float (&out)[kVec<T>]) {  /
 
 // The block's operands in shared memory: rows [0, Rows) of x at stride ld (rows B.. zero, the first
 // B normalized in place when kNorm), the gain, and `outputs` weight rows at stride ld (zeros past
-// n). Everything is requested at once as asynchronous copies (the rows and the gain, then the
-// weights), so one round trip to memory covers the block and the normalization overlaps the
-// weights' fetch. Returns once every copy landed, after a block barrier.
+// n). Everything is requested as asynchronous copies: the weights and the gain first, before the
+// wait for the kernel before this one (a dependent launch, cellkv/gpu/kernels/dependent_launch.cuh:
+// they do not depend on it, so their fetch overlaps its end), then the rows of x. Returns once
+// every copy landed, after a block barrier.
 template <class T>
 struct Staged {
   T* xs;  // [Rows, ld]
@@ -237,22 +233,23 @@ __device__ Staged<T> stage(const Args<T>& a, int4* smem, std::int32_t ld, int ou
   T* gs = xs + Rows * ld;
   T* ws = gs + ld;
   const int lane = static_cast<int>(threadIdx.x & 31), warp = static_cast<int>(threadIdx.x >> 5);
-  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < Rows * k; i += kThreads * kVec<T>) {
-    const std::int32_t b = i / k;
-    ck::cp_async_16(ck::smem_addr(xs + b * ld + i % k), a.x + (b < B ? i : 0), b < B);
-  }
-  if constexpr (kNorm)
-    for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < k; i += kThreads * kVec<T>)
-      ck::cp_async_16(ck::smem_addr(gs + i), a.gain + i);
-  ck::cp_async_commit();
   for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < outputs * k; i += kThreads * kVec<T>) {
     const std::int32_t n = n0 + i / k;
     const T* src = a.wt + (n < a.n ? static_cast<std::int64_t>(n) * k + i % k : 0);
     ck::cp_async_16(ck::smem_addr(ws + (i / k) * ld + i % k), src, n < a.n);
   }
+  if constexpr (kNorm)
+    for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < k; i += kThreads * kVec<T>)
+      ck::cp_async_16(ck::smem_addr(gs + i), a.gain + i);
+  ck::cp_async_commit();
+  ck::wait_for_prior_grids();  // x is the kernel before's output
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x) * kVec<T>; i < Rows * k; i += kThreads * kVec<T>) {
+    const std::int32_t b = i / k;
+    ck::cp_async_16(ck::smem_addr(xs + b * ld + i % k), a.x + (b < B ? i : 0), b < B);
+  }
   ck::cp_async_commit();
   if constexpr (kNorm) {
-    ck::cp_async_wait<1>();  // the rows and the gain
+    ck::cp_async_wait<0>();
     __syncthreads();
     for (int b = warp; b < B; b += kWarps) {
       const T* row = xs + b * ld;
@@ -313,6 +310,7 @@ __device__ void write_outputs(const Args<T>& a, const float (&tile)[kOutputs][W]
 
 template <class T, int B, Out kOut, bool kNorm>
 __global__ void __launch_bounds__(kThreads, 2) gemv(Args<T> a) {
+  cellkv::gpu::kernels::allow_dependent_grids();
   constexpr int R = kPerWarp<kOut, B>;
   constexpr int kOutputs = kWarps * R;  // outputs per block; warp w has outputs w, w + 8, ...
   extern __shared__ int4 gemv_smem[];
@@ -376,6 +374,7 @@ __device__ __forceinline__ void ldmatrix_x2(std::uint32_t& r0, std::uint32_t& r1
 template <class T, int B, Out kOut, bool kNorm>
 __global__ void __launch_bounds__(kThreads) gemv_mma(Args<T> a) {
   namespace ck = cellkv::gpu::kernels;
+  ck::allow_dependent_grids();
   constexpr int kRows = kMmaRows<B>, kTiles = kRows / 8;
   extern __shared__ int4 gemv_smem[];
   const std::int32_t k = a.k, ld = k + 8;
@@ -450,8 +449,10 @@ constexpr bool fits(int rows, std::int32_t k, int limit, int weight_rows) {
   return k % 16 == 0 && launch_smem_bytes<T>(rows, k, weight_rows) + 12288 <= static_cast<std::size_t>(limit);
 }
 
+// dependent: a dependent launch (cellkv/gpu/kernels/dependent_launch.cuh), which fetches the block's
+// weights while the kernel before it still runs.
 template <class T, int B, Out kOut, bool kNorm>
-cudaError_t launch_rows(const Args<T>& a, cudaStream_t stream) {
+cudaError_t launch_rows(const Args<T>& a, bool dependent, cudaStream_t stream) {
   constexpr int kOutputs = tensor_cores<T>(B) ? kMmaOutputs : kWarps * kPerWarp<kOut, B>;
   const std::size_t bytes = launch_smem_bytes<T>(B, a.k, kWarps * kPerWarp<kOut, B>);
   auto* kernel = [] {
@@ -462,19 +463,18 @@ cudaError_t launch_rows(const Args<T>& a, cudaStream_t stream) {
   const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (e != cudaSuccess) return e;
   const unsigned blocks = static_cast<unsigned>((a.n + kOutputs - 1) / kOutputs);
-  kernel<<<blocks, kThreads, bytes, stream>>>(a);
-  return cudaGetLastError();
+  return cellkv::gpu::launch_dependent(dependent, kernel, blocks, kThreads, bytes, stream, a);
 }
 
 // Launches the GEMV for `rows` rows (1, 2, 4, 8 or 16; rows past the step's are padding).
 template <class T, Out kOut, bool kNorm>
-cudaError_t launch(const Args<T>& a, int rows, cudaStream_t stream) {
+cudaError_t launch(const Args<T>& a, int rows, bool dependent, cudaStream_t stream) {
   switch (rows) {
-    case 1: return launch_rows<T, 1, kOut, kNorm>(a, stream);
-    case 2: return launch_rows<T, 2, kOut, kNorm>(a, stream);
-    case 4: return launch_rows<T, 4, kOut, kNorm>(a, stream);
-    case 8: return launch_rows<T, 8, kOut, kNorm>(a, stream);
-    case 16: return launch_rows<T, 16, kOut, kNorm>(a, stream);
+    case 1: return launch_rows<T, 1, kOut, kNorm>(a, dependent, stream);
+    case 2: return launch_rows<T, 2, kOut, kNorm>(a, dependent, stream);
+    case 4: return launch_rows<T, 4, kOut, kNorm>(a, dependent, stream);
+    case 8: return launch_rows<T, 8, kOut, kNorm>(a, dependent, stream);
+    case 16: return launch_rows<T, 16, kOut, kNorm>(a, dependent, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -66,6 +66,9 @@ struct GpuOptions {
   bool graphs = true;
   std::int32_t max_gemv_width = 16;   // widths up to this (<= 16) run the fused skinny GEMV; 0: cuBLAS only
   bool profile = false;               // time each step's phases (phase_times()); also set_profile()
+  // The GEMVs as dependent launches (sm_90 and later; cellkv/gpu/kernels/dependent_launch.cuh):
+  // each fetches its weights while the kernel before it still runs.
+  bool dependent_launch = true;
 };
 
 struct GraphStats {
@@ -98,6 +101,7 @@ class GpuRank {
         options_(options), block_(rows_) {
     if (reduce_ != nullptr && !reduce_->capturable()) options_.graphs = false;
     options_.max_gemv_width = std::clamp(options_.max_gemv_width, 0, static_cast<std::int32_t>(kGemvRows));
+    options_.dependent_launch = options_.dependent_launch && cellkv::gpu::dependent_launch_supported();
     if (cublasCreate(&blas_) != CUBLAS_STATUS_SUCCESS) throw std::runtime_error("cublasCreate failed");
     workspace_ = cellkv::gpu::DeviceBuffer<std::byte>(32u << 20);
     if (cublasSetStream(blas_, stream_) != CUBLAS_STATUS_SUCCESS ||
@@ -357,7 +361,7 @@ class GpuRank {
     const bool residual = rank_ == 0;  // the rank that carries x through the all-reduce
     const std::int32_t* positions = block_int(block_.positions);
     const int rows = gemv_rows(width);
-    kernels::embed<T><<<width, 256, 0, stream_>>>(block_int(block_.tokens), block_int(block_.from), sampled_.data(),
+    kernels::embed<T><<<width, kernels::kNormThreads, 0, stream_>>>(block_int(block_.tokens), block_int(block_.from), sampled_.data(),
                                                   max_width_, embed_.data(), x_.data(), dim, c_.vocab);
     for (std::int32_t l = 0; l < c_.layers; ++l) {
       Layer& lw = layers_[static_cast<std::size_t>(l)];
@@ -377,12 +381,14 @@ class GpuRank {
         a.kv_w = kv_w;
         a.head_dim = c_.head_dim;
         a.theta = c_.rope_theta;
-        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::qkv_rope, true>(a, rows, stream_)));
+        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::qkv_rope, true>(a, rows, options_.dependent_launch, stream_)));
       } else {
-        kernels::rmsnorm<T><<<width, 256, 0, stream_>>>(x_.data(), lw.attn_norm.data(), h_.data(), dim, c_.norm_eps);
+        kernels::rmsnorm<T><<<width, kernels::kNormThreads, 0, stream_>>>(x_.data(), lw.attn_norm.data(), h_.data(), dim, c_.norm_eps);
         if (const auto s = gemm(h_.data(), lw.wqkv.data(), qkv_.data(), false, width, dim, qkv_w, false); !s.ok()) return s;
-        kernels::rope_split<T><<<width, 128, 0, stream_>>>(qkv_.data(), q_.data(), k_.data(), v_.data(), positions, q_w,
-                                                            kv_w, c_.head_dim, c_.rope_theta);
+        const dim3 pairs((qkv_w / 2 + kernels::kRopeThreads - 1) / kernels::kRopeThreads, width);
+        kernels::rope_split<T><<<pairs, kernels::kRopeThreads, 0, stream_>>>(qkv_.data(), q_.data(), k_.data(), v_.data(),
+                                                                              positions, q_w, kv_w, c_.head_dim,
+                                                                              c_.rope_theta);
       }
       if (const auto s = attention_.update_and_attend(l, q_.data(), k_.data(), v_.data(), attn_.data(), width,
                                                       c_.heads_q, 0.f, ::cuda::stream_ref(stream_));
@@ -397,7 +403,7 @@ class GpuRank {
         a.y = x_.data();
         a.ld = dim;
         a.accumulate = residual;
-        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store, false>(a, rows, stream_)));
+        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store, false>(a, rows, options_.dependent_launch, stream_)));
       } else if (const auto s = gemm(attn_.data(), lw.wo.data(), x_.data(), false, width, q_w, dim, residual); !s.ok()) {
         return s;
       }
@@ -412,7 +418,7 @@ class GpuRank {
         a.k = dim;
         a.a = a_.data();
         a.ffn = c_.ffn;
-        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::swiglu, true>(a, rows, stream_)));
+        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::swiglu, true>(a, rows, options_.dependent_launch, stream_)));
         gemv::Args<T> b;
         b.x = a_.data();
         b.wt = lw.w2.data();
@@ -421,13 +427,13 @@ class GpuRank {
         b.y = x_.data();
         b.ld = dim;
         b.accumulate = residual;
-        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store, false>(b, rows, stream_)));
+        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store, false>(b, rows, options_.dependent_launch, stream_)));
       } else {
-        kernels::rmsnorm<T><<<width, 256, 0, stream_>>>(x_.data(), lw.ffn_norm.data(), h_.data(), dim, c_.norm_eps);
+        kernels::rmsnorm<T><<<width, kernels::kNormThreads, 0, stream_>>>(x_.data(), lw.ffn_norm.data(), h_.data(), dim, c_.norm_eps);
         if (const auto s = gemm(h_.data(), lw.w13.data(), h13_.data(), false, width, dim, 2 * c_.ffn, false); !s.ok())
           return s;
-        kernels::swiglu_pairs<T><<<256, 256, 0, stream_>>>(h13_.data(), a_.data(), c_.ffn,
-                                                            static_cast<std::int64_t>(width) * c_.ffn);
+        const dim3 outputs((c_.ffn + kernels::kSwigluThreads - 1) / kernels::kSwigluThreads, width);
+        kernels::swiglu_pairs<T><<<outputs, kernels::kSwigluThreads, 0, stream_>>>(h13_.data(), a_.data(), c_.ffn);
         if (const auto s = gemm(a_.data(), lw.w2.data(), x_.data(), false, width, c_.ffn, dim, residual); !s.ok())
           return s;
       }
@@ -444,9 +450,9 @@ class GpuRank {
         a.k = dim;
         a.yf = logits_.data();
         a.ld = c_.vocab;
-        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store_float, true>(a, rows, stream_)));
+        CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store_float, true>(a, rows, options_.dependent_launch, stream_)));
       } else {
-        kernels::rmsnorm<T><<<width, 256, 0, stream_>>>(x_.data(), final_norm_.data(), h_.data(), dim, c_.norm_eps);
+        kernels::rmsnorm<T><<<width, kernels::kNormThreads, 0, stream_>>>(x_.data(), final_norm_.data(), h_.data(), dim, c_.norm_eps);
         if (const auto s = gemm(h_.data(), lm_head_.data(), logits_.data(), true, width, dim, c_.vocab, false); !s.ok())
           return s;
       }

@@ -12,6 +12,8 @@
 //            sequence of (segment, KV head, tile) evenly over its workers (decode_chunk), so any
 //            mix of lengths keeps every worker equally busy; a (segment, head) cut by a chunk
 //            boundary is finished by merging the parts' partial softmax (part_slot, parts_of).
+//            When the even chunk is about as long as the longest pair (many pairs, at most one per
+//            worker: decode_whole_pairs), each worker takes one pair whole instead.
 //   prefill  one item per kPrefillRows query rows of every other segment.
 #pragma once
 
@@ -82,13 +84,14 @@ struct PrefillItem {
 
 // One window's work, in fixed-capacity arrays (device or staging memory).
 struct WindowWork {
-  std::int32_t* counts = nullptr;         // [2]: decode segments, prefill items
+  std::int32_t* counts = nullptr;         // [3]: decode segments, prefill items, tiles of the longest decode segment
   std::int32_t* decode_seg = nullptr;     // [max_write] segment index of each decode segment
   std::int32_t* decode_prefix = nullptr;  // [max_write + 1] tiles of the decode segments before each
   PrefillItem* prefill = nullptr;         // [max_prefill_items]
 
   CELLKV_HOST_DEVICE std::int32_t decode_count() const noexcept { return counts[0]; }
   CELLKV_HOST_DEVICE std::int32_t prefill_count() const noexcept { return counts[1]; }
+  CELLKV_HOST_DEVICE std::int32_t longest_decode_pair() const noexcept { return counts[2]; }
 };
 
 // Whether a segment is decoded (its rows fit one decode item) rather than prefilled.
@@ -106,13 +109,15 @@ constexpr std::int64_t max_prefill_items(std::int32_t max_write, std::int32_t gr
 // own_begin: per segment, the first position it reads itself (nullptr: 0 for every segment).
 inline void plan_window(std::span<const Segment> segments, const std::int32_t* own_begin, std::int32_t window,
                         const AttentionShape& shape, const WindowWork& out) {
-  std::int32_t decode = 0, prefill = 0, tiles = 0;
+  std::int32_t decode = 0, prefill = 0, tiles = 0, longest = 0;
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const Segment& s = segments[i];
     if (is_decode(s, shape.group)) {
       out.decode_seg[decode] = static_cast<std::int32_t>(i);
       out.decode_prefix[decode++] = tiles;
-      tiles += tiles_seen(window, s.pos0, s.pos0 + s.len - 1, shape.decode_tile, own_begin ? own_begin[i] : 0).count;
+      const std::int32_t n = tiles_seen(window, s.pos0, s.pos0 + s.len - 1, shape.decode_tile, own_begin ? own_begin[i] : 0).count;
+      tiles += n;
+      longest = n > longest ? n : longest;
     } else {
       // Last rows first: they see the most, so the longest items start earliest.
       const std::int32_t rows = s.len * shape.group, items = (rows + kPrefillRows - 1) / kPrefillRows;
@@ -122,6 +127,7 @@ inline void plan_window(std::span<const Segment> segments, const std::int32_t* o
   out.decode_prefix[decode] = tiles;
   out.counts[0] = decode;
   out.counts[1] = prefill;
+  out.counts[2] = longest;
 }
 
 // ---- the decode split (host and device agree on it; tests check it on the host) ----
@@ -134,6 +140,18 @@ inline void plan_window(std::span<const Segment> segments, const std::int32_t* o
 CELLKV_HOST_DEVICE constexpr std::int64_t decode_chunk(std::int64_t total, std::int32_t workers) noexcept {
   const std::int64_t even = (total + workers - 1) / workers;
   return even > kMinDecodeChunk ? even : kMinDecodeChunk;
+}
+
+// Whether each worker takes one (segment, KV head) pair whole (worker w: pair w) instead of a chunk
+// of the even split of `total` tiles: when there are no more pairs than workers and the longest
+// pair is at most twice the even chunk. The even split then cuts most pairs at a chunk boundary,
+// and a cut pair's merge (partial written, counted, read back: a chain of dependent round trips to
+// memory) costs about as much as streaming several tiles, more than the longer stream of the
+// longest pair. Short pairs spread over many more workers than pairs stay split (there one warp
+// streaming a whole pair is slower than the merge).
+CELLKV_HOST_DEVICE constexpr bool decode_whole_pairs(std::int64_t pairs, std::int32_t workers, std::int32_t longest,
+                                                     std::int64_t total) noexcept {
+  return pairs <= workers && longest <= 2 * decode_chunk(total, workers);
 }
 
 // Workers [first, last] that hold a part of the pair covering tiles [begin, end) (end > begin).

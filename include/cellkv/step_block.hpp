@@ -6,7 +6,7 @@
 //   tokens        int32 [1], num_segments int32 [1]
 //   token_seq     int32 [max_write], token_pos int32 [max_write]
 //   segments      Segment [max_write]                                   (16-byte aligned)
-//   work          per window buffer: counts int32 [2], decode_seg int32 [max_write],
+//   work          per window buffer: counts int32 [3], decode_seg int32 [max_write],
 //                 decode_prefix int32 [max_write + 1], prefill PrefillItem [max_prefill]
 //   ranges        RowRange [windows][max_write]   sequence layout only (reference kernel)
 //   shared        the step's shared prefixes (SharedWork, prefix_sharing.hpp), from a 16-byte
@@ -73,9 +73,9 @@ struct StepBlockLayout {
     token_pos = token_seq + 4 * w;
     segments = align16(token_pos + 4 * w);
     work = align16(segments + sizeof(Segment) * w);
-    // per window: counts [2], decode_seg [w], decode_prefix [w + 1], then from a 16-byte boundary
+    // per window: counts [3], decode_seg [w], decode_prefix [w + 1], then from a 16-byte boundary
     // (work_at) the prefill items
-    work_bytes = align16(align16(4 * (2 + w + w + 1)) + sizeof(PrefillItem) * static_cast<std::size_t>(s.max_prefill));
+    work_bytes = align16(align16(4 * (3 + w + w + 1)) + sizeof(PrefillItem) * static_cast<std::size_t>(s.max_prefill));
     ranges = work + work_bytes * static_cast<std::size_t>(s.windows);
     shared = align16(ranges + (s.ranges ? sizeof(RowRange) * w * static_cast<std::size_t>(s.windows) : 0));
     const auto slots = static_cast<std::size_t>(s.shared_slots);
@@ -106,8 +106,8 @@ struct StepBlockLayout {
     std::byte* at = base + work + work_bytes * static_cast<std::size_t>(b);
     auto* ints = reinterpret_cast<std::int32_t*>(at);
     const auto w = static_cast<std::size_t>(max_write);
-    return WindowWork{ints, ints + 2, ints + 2 + w,
-                      reinterpret_cast<PrefillItem*>(at + align16(4 * (2 + w + w + 1)))};
+    return WindowWork{ints, ints + 3, ints + 3 + w,
+                      reinterpret_cast<PrefillItem*>(at + align16(4 * (3 + w + w + 1)))};
   }
 
  private:

@@ -5,7 +5,9 @@
 // the positions [visible_begin(W, first token), last token] of their sequence, which are
 // tiles(seg) KV tiles of kPositions positions. The tiles of every pair, in (segment, head, tile)
 // order, are cut into equal chunks, one per worker (a warp): every worker streams the same number
-// of tiles whatever the lengths and wherever the cells are.
+// of tiles whatever the lengths and wherever the cells are. When that chunk is about as long as the
+// longest pair and there are no more pairs than workers (decode_whole_pairs), each worker takes one
+// pair whole instead: no pair is cut, so no partial is written and merged.
 //
 // A warp streams its chunk through its own ring of `Stages` shared-memory stages (16-byte cp.async
 // copies of the rows the table names, gathered row by row; a hole's row is zero-filled and its
@@ -28,6 +30,7 @@
 
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/gpu/kernels/attention_tiles.cuh"
+#include "cellkv/gpu/kernels/dependent_launch.cuh"
 #include "cellkv/gpu/kernels/fp8_tiles.cuh"
 #include "cellkv/gpu/kernels/layer_args.cuh"
 #include "cellkv/gpu/kernels/mma.cuh"
@@ -158,6 +161,32 @@ struct PairRows {
   __device__ int head(int r) const { return h * group + r % group; }
   __device__ int qpos(int r) const { return seg.pos0 + r / group; }
 };
+
+// The flat tiles [g0, g1) worker `worker` of `workers` computes (attention_plan.hpp): pair `worker`
+// whole when decode_whole_pairs, else its chunk of the even split (g0 >= g1: nothing).
+struct WorkerTiles {
+  std::int64_t g0 = 0, g1 = 0, chunk = 1;
+  bool whole_pairs = false;
+};
+__device__ inline WorkerTiles worker_tiles(const WindowWork& work, int n, int heads_kv, int longest, int worker,
+                                           std::int32_t workers) {
+  const std::int64_t pairs = static_cast<std::int64_t>(n) * heads_kv;
+  const std::int64_t total = static_cast<std::int64_t>(work.decode_prefix[n]) * heads_kv;
+  WorkerTiles w;
+  if (decode_whole_pairs(pairs, workers, longest, total)) {
+    w.whole_pairs = true;
+    if (worker >= pairs) return w;
+    const int d = worker / heads_kv, h = worker % heads_kv;
+    const std::int32_t first = work.decode_prefix[d], tiles = work.decode_prefix[d + 1] - first;
+    w.g0 = static_cast<std::int64_t>(first) * heads_kv + static_cast<std::int64_t>(h) * tiles;
+    w.g1 = w.g0 + tiles;
+    return w;
+  }
+  w.chunk = decode_chunk(total, workers);
+  w.g0 = worker * w.chunk;
+  w.g1 = w.g0 + w.chunk < total ? w.g0 + w.chunk : total;
+  return w;
+}
 
 // A tile to fetch: KV head h, positions [key0, key0 + kPositions) of seq, of which `seen` are read.
 struct TileRef {
@@ -531,12 +560,12 @@ __device__ void merge_up(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, c
   }
 }
 
-// The end of a pair's part in this worker: the output when the pair is whole here, else this
-// part's partial (o / l, lse per row), then the merge.
+// The end of a pair's part in this worker: the output when the pair is whole here (always, with
+// whole_pairs), else this part's partial (o / l, lse per row), then the merge.
 template <class T, int D, class Rows, class S>
 __device__ void finish_pair(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, const PairRows& p, RowState<D>& st,
-                            int worker, std::int64_t chunk, int lane) {
-  const bool whole = parts_of(c.begin, c.begin + c.tiles, chunk).count() == 1;
+                            int worker, std::int64_t chunk, bool whole_pairs, int lane) {
+  const bool whole = whole_pairs || parts_of(c.begin, c.begin + c.tiles, chunk).count() == 1;
   const int slot = whole ? 0 : part_slot(worker, c.begin, chunk);
   using R = RowHalf<D>;
 #pragma unroll
@@ -559,11 +588,13 @@ __device__ void finish_pair(const DecodeArgs<T, Rows, S>& a, const PairCursor& c
   if (!whole) merge_up<T, D>(a, c, p, worker, chunk, lane);
 }
 
+// Rows [tokens, width) of the output: zeros (tokens: *a.tokens, read by the caller together with
+// the work counts, so neither read waits for the other).
 template <class T, int D, class Rows, class S>
-__device__ void zero_padding_rows(const DecodeArgs<T, Rows, S>& a) {
+__device__ void zero_padding_rows(const DecodeArgs<T, Rows, S>& a, std::int32_t tokens) {
   const std::int64_t row = static_cast<std::int64_t>(a.heads_q) * D;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = *a.tokens * row + blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  for (std::int64_t i = tokens * row + blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
        i < a.width * row; i += stride)
     a.out[i] = from_float<T>(0.f);
 }
@@ -619,17 +650,16 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   using G = DecodeTile<D, kBytes>;
   using M = std::conditional_t<kFp8, __half, T>;  // the MMA operand type
   extern __shared__ __align__(128) unsigned char smem[];
-  zero_padding_rows<T, D>(a);
-  const int n = a.work.decode_count();
+  allow_dependent_grids();
+  const int n = a.work.decode_count(), longest = a.work.longest_decode_pair();
+  zero_padding_rows<T, D>(a, *a.tokens);
   if (n == 0) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
-  const std::int64_t total = static_cast<std::int64_t>(a.work.decode_prefix[n]) * heads_kv;
   const int worker = blockIdx.x * Warps + warp;
-  const std::int64_t chunk = decode_chunk(total, static_cast<std::int32_t>(gridDim.x) * Warps);
-  const std::int64_t g0 = worker * chunk;
-  if (g0 >= total) return;
-  const std::int64_t g1 = g0 + chunk < total ? g0 + chunk : total;
+  const WorkerTiles mine = worker_tiles(a.work, n, heads_kv, longest, worker, static_cast<std::int32_t>(gridDim.x) * Warps);
+  if (mine.g0 >= mine.g1) return;
+  const std::int64_t g0 = mine.g0, g1 = mine.g1, chunk = mine.chunk;
 
   const StageRing<D, Stages, kBytes> ring{smem_addr(smem) + warp * decode_warp_smem_bytes(D, Stages, kBytes)};
   const std::uint32_t q_tile = ring.query();  // D = 256 only
@@ -714,7 +744,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
 #pragma unroll
         for (int h = 0; h < 2; ++h) st.rescale(h, vref.ref[h]);
       }
-      finish_pair<T, D>(a, cc, p, st, worker, chunk, lane);
+      finish_pair<T, D>(a, cc, p, st, worker, chunk, mine.whole_pairs, lane);
     }
     if (g + 1 < g1) cc.next(a, heads_kv, G::kPositions);
     cur = cur + 1 == Stages ? 0 : cur + 1;

@@ -35,6 +35,7 @@
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/fp8.hpp"
 #include "cellkv/gpu/kernels/attention_tiles.cuh"
+#include "cellkv/gpu/kernels/dependent_launch.cuh"
 #include "cellkv/gpu/kernels/fp8_tiles.cuh"
 #include "cellkv/gpu/kernels/layer_args.cuh"
 #include "cellkv/gpu/kernels/mma.cuh"
@@ -338,6 +339,7 @@ template <class T, int D, int Stages, class Rows, class S = T>
 __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(PrefillArgs<T, Rows, S> a) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int ids[2][kPrefillTile];
+  allow_dependent_grids();
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
   const int items = a.work.prefill_count() * heads_kv;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {

@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cellkv/gpu/kernels/dependent_launch.cuh"
 #include "cellkv/gpu/numeric.cuh"
 #include "cellkv/fp8.hpp"
 #include "cellkv/gpu/kv_views.hpp"
@@ -64,6 +65,7 @@ __device__ __forceinline__ void load_kv(const Fp8PoolView<const Fp8E4M3>& pool, 
 template <class T, int D, class Vis, class S = T>
 __global__ void __launch_bounds__(kRefWarps * 32) reference_attention(AttentionArgs<T, S> a, Vis vis) {
   constexpr int E = D / 32;  // elements per lane
+  allow_dependent_grids();
   const int t = blockIdx.x;
   const int group = a.heads_q / a.pool.heads_kv;
   const int chunks = (group + kRefHeads - 1) / kRefHeads;
