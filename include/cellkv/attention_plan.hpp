@@ -12,8 +12,9 @@
 //            sequence of (segment, KV head, tile) evenly over its workers (decode_chunk), so any
 //            mix of lengths keeps every worker equally busy; a (segment, head) cut by a chunk
 //            boundary is finished by merging the parts' partial softmax (part_slot, parts_of).
-//            When the even chunk is about as long as the longest pair (many pairs, at most one per
-//            worker: decode_whole_pairs), each worker takes one pair whole instead.
+//            Steps of few, short pairs run as teams instead (decode_assignment): the warps of a
+//            block share out its pairs, each pair's tiles split among a team merged in shared
+//            memory (a team of one: the pair whole).
 //   prefill  one item per kPrefillRows query rows of every other segment.
 #pragma once
 
@@ -142,16 +143,34 @@ CELLKV_HOST_DEVICE constexpr std::int64_t decode_chunk(std::int64_t total, std::
   return even > kMinDecodeChunk ? even : kMinDecodeChunk;
 }
 
-// Whether each worker takes one (segment, KV head) pair whole (worker w: pair w) instead of a chunk
-// of the even split of `total` tiles: when there are no more pairs than workers and the longest
-// pair is at most twice the even chunk. The even split then cuts most pairs at a chunk boundary,
-// and a cut pair's merge (partial written, counted, read back: a chain of dependent round trips to
-// memory) costs about as much as streaming several tiles, more than the longer stream of the
-// longest pair. Short pairs spread over many more workers than pairs stay split (there one warp
-// streaming a whole pair is slower than the merge).
-CELLKV_HOST_DEVICE constexpr bool decode_whole_pairs(std::int64_t pairs, std::int32_t workers, std::int32_t longest,
-                                                     std::int64_t total) noexcept {
-  return pairs <= workers && longest <= 2 * decode_chunk(total, workers);
+// How the decode kernel's `blocks` x `warps` workers share a step's `pairs` (segment, KV head)
+// pairs of `total` tiles, the longest `longest` tiles:
+//   even  the flat tiles cut into equal chunks (decode_chunk); a pair cut by a chunk boundary is
+//         merged through global memory (partial written, counted, read back: a chain of dependent
+//         round trips that costs about as much as streaming several tiles).
+//   team  block b takes pairs [b per_block, (b + 1) per_block), `team` consecutive warps per pair,
+//         each warp an equal share of its pair's tiles; a team's parts merge in the block's shared
+//         memory after one block barrier. A team of one streams its pair whole.
+// Teams of two or more when each warp then streams at most kTeamTiles tiles (steps of few, short
+// pairs, where the even split would cut every pair into one-tile parts); a team of one when the
+// longest pair is at most twice the even chunk (many pairs, at most one per worker, where the even
+// split would cut most pairs at a chunk boundary); else even.
+inline constexpr std::int32_t kTeamTiles = 2;
+struct DecodeAssignment {
+  bool even = true;
+  std::int32_t team = 1;       // warps per pair (team assignment)
+  std::int32_t per_block = 0;  // pairs per block (team assignment)
+};
+CELLKV_HOST_DEVICE constexpr DecodeAssignment decode_assignment(std::int64_t pairs, std::int32_t blocks, std::int32_t warps,
+                                                               std::int32_t longest, std::int64_t total) noexcept {
+  const std::int64_t workers = static_cast<std::int64_t>(blocks) * warps;
+  if (pairs <= 0 || pairs > workers) return {};
+  const auto per_block = static_cast<std::int32_t>((pairs + blocks - 1) / blocks);
+  std::int32_t team = 1;
+  while (team * 2 * per_block <= warps) team *= 2;
+  if (team >= 2 && (longest + team - 1) / team <= kTeamTiles) return {false, team, per_block};
+  if (longest <= 2 * decode_chunk(total, static_cast<std::int32_t>(workers))) return {false, 1, per_block};
+  return {};
 }
 
 // Workers [first, last] that hold a part of the pair covering tiles [begin, end) (end > begin).

@@ -255,6 +255,48 @@ TEST_CASE("table kernels: one long sequence is split over many warps and merged,
   require_device_ok();
 }
 
+// Decode steps of 12 sequences of 20-140 positions: 24 (sequence, KV head) pairs of at most 9 tiles,
+// fewer than the decode grid's blocks, so each pair runs as a team of all the warps of a block, its
+// parts merged in shared memory (decode_assignment); a step of 2-token segments too.
+template <class Cache>
+void team_steps(std::int32_t head_dim) {
+  CAPTURE(head_dim);
+  Cache cache = make_cache<Cache>({8, 2, head_dim, 64, 4096}, 16);
+  REQUIRE(cache.runs_table_kernels());
+  ForwardHarness<Cache> harness(cache, 8, 64);
+  gpu::Stream stream;
+  std::mt19937_64 rng(static_cast<std::uint64_t>(head_dim));
+  std::vector<std::int32_t> seqs;
+  for (int i = 0; i < 12; ++i) {
+    const std::int32_t seq = cache.seq_new().value();
+    seqs.push_back(seq);
+    for (std::int32_t n = 20 + static_cast<std::int32_t>(rng() % 120); n > 0; n -= 64) {
+      const std::int32_t chunk = std::min<std::int32_t>(n, 64);
+      REQUIRE(cache.declare_step(std::vector<std::int32_t>(static_cast<std::size_t>(chunk), seq)).ok());
+      REQUIRE(cache.upload(stream).ok());
+      harness.write_step(chunk, rng, stream);
+      REQUIRE(cache.commit(stream).ok());
+    }
+  }
+  for (int step = 0; step < 4; ++step) {
+    REQUIRE(cache.declare_step(seqs).ok());
+    checked_step(cache, harness, static_cast<std::int32_t>(seqs.size()), 64, rng, stream);
+  }
+  std::vector<std::int32_t> pairs_of_tokens;
+  for (const std::int32_t s : seqs) pairs_of_tokens.insert(pairs_of_tokens.end(), {s, s});
+  REQUIRE(cache.declare_step(pairs_of_tokens).ok());
+  checked_step(cache, harness, static_cast<std::int32_t>(pairs_of_tokens.size()), 64, rng, stream);
+  CHECK(cache.shard().work_counts(0).value().decode == 12);
+  require_device_ok();
+}
+
+TEST_CASE("table kernels: steps of few short pairs run as teams of warps merged in shared memory") {
+  for (const std::int32_t D : {64, 128, 256}) {
+    team_steps<Cells<__nv_bfloat16, placement::clustered<64>>>(D);
+    team_steps<Slots<__half>>(D);
+  }
+}
+
 TEST_CASE("table kernels: graph replay across random mixes needs no recapture") {
   using Cache = Cells<__nv_bfloat16, placement::lowest_free>;
   constexpr std::int32_t kWidth = 24;

@@ -66,12 +66,40 @@ TEST_CASE("decode work: segments, tile prefix sums and the longest segment, agai
   }
 }
 
-TEST_CASE("decode work: whole pairs when every pair has a worker and none is much longer than the even chunk") {
-  // 256 sequences x 4 KV heads of 6 tiles over 1,056 workers: chunk 6, every pair whole.
-  CHECK(decode_whole_pairs(1024, 1056, 6, 1024 * 6));
-  CHECK(decode_whole_pairs(1024, 1056, 12, 1024 * 6));      // twice the chunk
-  CHECK_FALSE(decode_whole_pairs(1024, 1056, 13, 1024 * 6));
-  CHECK_FALSE(decode_whole_pairs(64, 1056, 6, 64 * 6));       // 16 sequences: chunk 1, keep splitting
-  CHECK_FALSE(decode_whole_pairs(1057, 1056, 1, 1057));       // more pairs than workers
-  CHECK_FALSE(decode_whole_pairs(8, 1056, 2048, 8 * 2048));   // long pairs: split them
+TEST_CASE("decode work: teams for few short pairs, whole pairs for about one per worker, else the even split") {
+  // 132 blocks x 8 warps.
+  // 16 sequences x 4 KV heads of 6 tiles: one pair per block, 8 warps each (one tile apiece).
+  const DecodeAssignment few = decode_assignment(64, 132, 8, 6, 64 * 6);
+  CHECK((!few.even && few.team == 8 && few.per_block == 1));
+  // 64 x 4 pairs of up to 7 tiles: two pairs per block, teams of 4 (two tiles apiece).
+  const DecodeAssignment more = decode_assignment(256, 132, 8, 7, 256 * 6);
+  CHECK((!more.even && more.team == 4 && more.per_block == 2));
+  // 400 pairs: four per block, teams of 2, up to kTeamTiles tiles a warp.
+  CHECK(decode_assignment(400, 132, 8, 4, 400 * 4).team == 2);
+  CHECK(decode_assignment(400, 132, 8, 5, 400 * 4).even);  // 3 tiles a warp; longest 5 > 2 x chunk 2
+  // 256 x 4 pairs of 6 tiles: eight pairs per block, one warp each, whole (chunk 6).
+  const DecodeAssignment many = decode_assignment(1024, 132, 8, 7, 1024 * 6);
+  CHECK((!many.even && many.team == 1 && many.per_block == 8));
+  CHECK(decode_assignment(1024, 132, 8, 13, 1024 * 6).even);  // longest past twice the chunk
+  // Long pairs (one 32k-position sequence, 8 KV heads): the even split.
+  CHECK(decode_assignment(8, 132, 8, 2048, 8 * 2048).even);
+  // More pairs than workers, or none.
+  CHECK(decode_assignment(1057, 132, 8, 1, 1057).even);
+  CHECK(decode_assignment(0, 132, 8, 0, 0).even);
+}
+
+TEST_CASE("decode work: every pair has a team in its block, and a team's shares cover its pair") {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 2000; ++trial) {
+    CAPTURE(trial);
+    const std::int32_t blocks = 1 + static_cast<std::int32_t>(rng() % 140), warps = 1 << (rng() % 4);
+    const std::int64_t pairs = 1 + static_cast<std::int64_t>(rng() % (static_cast<std::uint64_t>(blocks) * warps + 8));
+    const std::int32_t longest = 1 + static_cast<std::int32_t>(rng() % 40);
+    const DecodeAssignment as = decode_assignment(pairs, blocks, warps, longest, pairs * (1 + longest) / 2);
+    if (as.even) continue;
+    CHECK(as.team * as.per_block <= warps);                               // the teams fit a block
+    CHECK(static_cast<std::int64_t>(as.per_block) * blocks >= pairs);     // every pair has a block
+    CHECK((as.team & (as.team - 1)) == 0);                                // a power of two
+    if (as.team > 1) CHECK((longest + as.team - 1) / as.team <= kTeamTiles);
+  }
 }

@@ -5,9 +5,10 @@
 // the positions [visible_begin(W, first token), last token] of their sequence, which are
 // tiles(seg) KV tiles of kPositions positions. The tiles of every pair, in (segment, head, tile)
 // order, are cut into equal chunks, one per worker (a warp): every worker streams the same number
-// of tiles whatever the lengths and wherever the cells are. When that chunk is about as long as the
-// longest pair and there are no more pairs than workers (decode_whole_pairs), each worker takes one
-// pair whole instead: no pair is cut, so no partial is written and merged.
+// of tiles whatever the lengths and wherever the cells are. Steps of few, short pairs, or of about
+// one pair per worker, run as teams instead (decode_assignment): the warps of a block share out its
+// pairs, a pair's tiles split among its team, whose parts merge in shared memory after one block
+// barrier (a team of one: the pair whole, no merge).
 //
 // A warp streams its chunk through its own ring of `Stages` shared-memory stages (16-byte cp.async
 // copies of the rows the table names, gathered row by row; a hole's row is zero-filled and its
@@ -162,29 +163,42 @@ struct PairRows {
   __device__ int qpos(int r) const { return seg.pos0 + r / group; }
 };
 
-// The flat tiles [g0, g1) worker `worker` of `workers` computes (attention_plan.hpp): pair `worker`
-// whole when decode_whole_pairs, else its chunk of the even split (g0 >= g1: nothing).
+// The flat tiles [g0, g1) warp `warp` of block `block` computes (decode_assignment,
+// attention_plan.hpp; g0 >= g1: nothing): its chunk of the even split, or its share of its team's
+// pair. `mode` says which, in the one value the decode loop keeps (every register counts there):
+// > 0 the even split's chunk; 0 a team of one (the pair whole); < 0 a team of -mode warps (warp w
+// member w % -mode).
 struct WorkerTiles {
-  std::int64_t g0 = 0, g1 = 0, chunk = 1;
-  bool whole_pairs = false;
+  std::int64_t g0 = 0, g1 = 0, mode = 1;
 };
-__device__ inline WorkerTiles worker_tiles(const WindowWork& work, int n, int heads_kv, int longest, int worker,
-                                           std::int32_t workers) {
+
+// The warps of a team of `team` that hold tiles of a pair of `tiles` tiles (worker_tiles' shares).
+__device__ __forceinline__ int team_members(int tiles, int team) {
+  const int share = (tiles + team - 1) / team;
+  return (tiles + share - 1) / share;
+}
+__device__ inline WorkerTiles worker_tiles(const WindowWork& work, int n, int heads_kv, int longest, int block, int warp,
+                                           int blocks, int warps) {
   const std::int64_t pairs = static_cast<std::int64_t>(n) * heads_kv;
   const std::int64_t total = static_cast<std::int64_t>(work.decode_prefix[n]) * heads_kv;
+  const DecodeAssignment as = decode_assignment(pairs, blocks, warps, longest, total);
   WorkerTiles w;
-  if (decode_whole_pairs(pairs, workers, longest, total)) {
-    w.whole_pairs = true;
-    if (worker >= pairs) return w;
-    const int d = worker / heads_kv, h = worker % heads_kv;
-    const std::int32_t first = work.decode_prefix[d], tiles = work.decode_prefix[d + 1] - first;
-    w.g0 = static_cast<std::int64_t>(first) * heads_kv + static_cast<std::int64_t>(h) * tiles;
-    w.g1 = w.g0 + tiles;
+  if (as.even) {
+    w.mode = decode_chunk(total, blocks * warps);
+    w.g0 = static_cast<std::int64_t>(block * warps + warp) * w.mode;
+    w.g1 = w.g0 + w.mode < total ? w.g0 + w.mode : total;
     return w;
   }
-  w.chunk = decode_chunk(total, workers);
-  w.g0 = worker * w.chunk;
-  w.g1 = w.g0 + w.chunk < total ? w.g0 + w.chunk : total;
+  w.mode = as.team == 1 ? 0 : -as.team;
+  const int slot = warp / as.team, member = warp % as.team;
+  const std::int64_t pair = static_cast<std::int64_t>(block) * as.per_block + slot;
+  if (slot >= as.per_block || pair >= pairs) return w;
+  const int d = static_cast<int>(pair / heads_kv), h = static_cast<int>(pair % heads_kv);
+  const std::int32_t first = work.decode_prefix[d], tiles = work.decode_prefix[d + 1] - first;
+  const std::int32_t share = (tiles + as.team - 1) / as.team;
+  const std::int64_t base = static_cast<std::int64_t>(first) * heads_kv + static_cast<std::int64_t>(h) * tiles;
+  w.g0 = base + min(tiles, member * share);
+  w.g1 = base + min(tiles, (member + 1) * share);
   return w;
 }
 
@@ -438,21 +452,72 @@ __device__ void load_query_fp16_shared(std::uint32_t tile, const T* src, int hea
   __syncwarp();
 }
 
-// The output of a pair whose parts were merged into partial slot `slot`: each row folded with its
-// token's shared-prefix partials. A loop of its own (not inside the merge's unrolled rounds), so
-// the decode loop keeps its registers.
+// Columns [4 c, 4 c + 4) of row r of a pair's output from its merged values v (normalized) and
+// log2-sum-exp lse: folded with the token's shared-prefix partials, then stored.
+template <class T, int D, class Rows, class S>
+__device__ __forceinline__ void write_output_quad(const DecodeArgs<T, Rows, S>& a, const PairRows& p, int r, int c,
+                                                  float4 v, float lse) {
+  a.shared.template fold<D, 4>(p.token(r), p.head(r), a.heads_q, lse, [&](int e) { return 4 * c + e; },
+                               [&](int e) -> float& { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; });
+  T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D + 4 * c;
+  dst[0] = from_float<T>(v.x), dst[1] = from_float<T>(v.y), dst[2] = from_float<T>(v.z), dst[3] = from_float<T>(v.w);
+}
+
+// The output of a pair whose parts were merged into partial slot `slot`. A loop of its own (not
+// inside the merge's unrolled rounds), so the decode loop keeps its registers.
 template <class T, int D, class Rows, class S>
 __device__ void write_merged(const DecodeArgs<T, Rows, S>& a, const PairRows& p, int slot, int lane) {
   constexpr int kPerRow = D / 4;  // float4 per row
   for (int idx = lane; idx < p.rows * kPerRow; idx += 32) {
     const int r = idx / kPerRow, c = idx % kPerRow;
     const std::int64_t row = static_cast<std::int64_t>(slot) * kDecodeRows + r;
-    float4 v = __ldcg(reinterpret_cast<const float4*>(a.partial_o + row * D) + c);
-    a.shared.template fold<D, 4>(p.token(r), p.head(r), a.heads_q, __ldcg(a.partial_lse + row),
-                                 [&](int e) { return 4 * c + e; },
-                                 [&](int e) -> float& { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; });
-    T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D + 4 * c;
-    dst[0] = from_float<T>(v.x), dst[1] = from_float<T>(v.y), dst[2] = from_float<T>(v.z), dst[3] = from_float<T>(v.w);
+    write_output_quad<T, D>(a, p, r, c, __ldcg(reinterpret_cast<const float4*>(a.partial_o + row * D) + c),
+                            __ldcg(a.partial_lse + row));
+  }
+}
+
+// A team's part of a pair in shared memory (the warp's own region of the block's dynamic shared
+// memory, once its stages are drained): o [kDecodeRows][D] fp32, normalized, then lse [kDecodeRows].
+template <int D>
+struct TeamPart {
+  static constexpr int kBytes = kDecodeRows * (D + 1) * 4;
+  float* o;
+  __device__ float* lse() const { return o + kDecodeRows * D; }
+};
+
+// Stores this warp's part (rows < rows) into its TeamPart.
+template <int D>
+__device__ void store_team_part(const TeamPart<D>& part, RowState<D>& st, int rows, int lane) {
+  using R = RowHalf<D>;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = (lane >> 2) + 8 * h;
+    const R res(st, h);  // every lane: quad sums
+    if (r < rows) res.store_partial(part.o + r * D, part.lse() + r, lane);
+  }
+}
+
+// Member 0 of a team, after the block barrier: merges the `members` parts (in the regions of warps
+// warp0, warp0 + 1, ...; each `stride` floats apart) by log-sum-exp and writes the pair's output.
+template <class T, int D, class Rows, class S>
+__device__ void write_team_output(const DecodeArgs<T, Rows, S>& a, const PairRows& p, const TeamPart<D>& first,
+                                  int stride, int members, int lane) {
+  constexpr int kPerRow = D / 4;  // float4 per row
+  for (int idx = lane; idx < p.rows * kPerRow; idx += 32) {
+    const int r = idx / kPerRow, c = idx % kPerRow;
+    float top = -INFINITY;
+    for (int m = 0; m < members; ++m) top = fmaxf(top, first.lse()[m * stride + r]);
+    float sum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int m = 0; m < members; ++m) {
+      const float e = top == -INFINITY ? 0.f : exp2f(first.lse()[m * stride + r] - top);
+      const float4 v = reinterpret_cast<const float4*>(first.o + m * stride + r * D)[c];
+      sum += e;
+      acc.x += e * v.x, acc.y += e * v.y, acc.z += e * v.z, acc.w += e * v.w;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    acc.x *= inv, acc.y *= inv, acc.z *= inv, acc.w *= inv;
+    write_output_quad<T, D>(a, p, r, c, acc, sum > 0.f ? top + log2f(sum) : -INFINITY);
   }
 }
 
@@ -560,12 +625,13 @@ __device__ void merge_up(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, c
   }
 }
 
-// The end of a pair's part in this worker: the output when the pair is whole here (always, with
-// whole_pairs), else this part's partial (o / l, lse per row), then the merge.
+// The end of a pair's part in this worker: the output when the pair is whole here (always when
+// chunk is 0: a team of one, WorkerTiles), else this part's partial (o / l, lse per row), then the
+// merge.
 template <class T, int D, class Rows, class S>
 __device__ void finish_pair(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, const PairRows& p, RowState<D>& st,
-                            int worker, std::int64_t chunk, bool whole_pairs, int lane) {
-  const bool whole = whole_pairs || parts_of(c.begin, c.begin + c.tiles, chunk).count() == 1;
+                            int worker, std::int64_t chunk, int lane) {
+  const bool whole = chunk == 0 || parts_of(c.begin, c.begin + c.tiles, chunk).count() == 1;
   const int slot = whole ? 0 : part_slot(worker, c.begin, chunk);
   using R = RowHalf<D>;
 #pragma unroll
@@ -657,99 +723,119 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
   const int worker = blockIdx.x * Warps + warp;
-  const WorkerTiles mine = worker_tiles(a.work, n, heads_kv, longest, worker, static_cast<std::int32_t>(gridDim.x) * Warps);
-  if (mine.g0 >= mine.g1) return;
-  const std::int64_t g0 = mine.g0, g1 = mine.g1, chunk = mine.chunk;
-
-  const StageRing<D, Stages, kBytes> ring{smem_addr(smem) + warp * decode_warp_smem_bytes(D, Stages, kBytes)};
-  const std::uint32_t q_tile = ring.query();  // D = 256 only
+  const WorkerTiles mine = worker_tiles(a.work, n, heads_kv, longest, static_cast<int>(blockIdx.x), warp,
+                                        static_cast<int>(gridDim.x), Warps);
+  const std::int64_t g0 = mine.g0, g1 = mine.g1, mode = mine.mode;
+  // mode < 0 (teams of two or more) is block-uniform: then every warp meets the barrier below.
+  if (mode >= 0 && g0 >= g1) return;
+  constexpr int kWarpBytes = decode_warp_smem_bytes(D, Stages, kBytes);
+  static_assert(TeamPart<D>::kBytes <= kWarpBytes, "a team's part fits its warp's stages");
+  auto part = [&] { return TeamPart<D>{reinterpret_cast<float*>(smem + threadIdx.x / 32 * kWarpBytes)}; };  // this warp's
 
   PairCursor cc;  // the tile being computed
-  cc.seek(a, g0, heads_kv, G::kPositions, lane);
-  RowFetch<D, Rows, kBytes> fetch;
-  fetch.start(a, cc, g1, heads_kv, lane);
-  // Issues the next tile into stage s (or an empty group past the chunk's end); returns the tile's
-  // absent columns (holes, positions no row reads).
-  auto issue_next = [&](int s) -> std::uint64_t {
-    if (!fetch.next[0].valid) {
-      ring.skip();
-      return 0;
-    }
-    const std::uint64_t absent = absent_columns(fetch.ids[0][0], G::kIds > 1 ? fetch.ids[0][G::kIds - 1] : -1);
-    ring.issue(s, a.pool, fetch.next[0].h, fetch.ids[0], lane);
-    fetch.advance(a, g1, heads_kv, lane);
-    return absent;
-  };
-  AbsentMasks<Stages> absent;
+  {  // the stream of tiles [g0, g1); with an empty range (a team member without tiles) it reads
+     // nothing of the pool and computes nothing (a branch here would cost the loop registers)
+    const StageRing<D, Stages, kBytes> ring{smem_addr(smem) + warp * kWarpBytes};
+    const std::uint32_t q_tile = ring.query();  // D = 256 only
+    cc.seek(a, g0, heads_kv, G::kPositions, lane);
+    RowFetch<D, Rows, kBytes> fetch;
+    fetch.start(a, cc, g1, heads_kv, lane);
+    // Issues the next tile into stage s (or an empty group past the chunk's end); returns the tile's
+    // absent columns (holes, positions no row reads).
+    auto issue_next = [&](int s) -> std::uint64_t {
+      if (!fetch.next[0].valid) {
+        ring.skip();
+        return 0;
+      }
+      const std::uint64_t absent = absent_columns(fetch.ids[0][0], G::kIds > 1 ? fetch.ids[0][G::kIds - 1] : -1);
+      ring.issue(s, a.pool, fetch.next[0].h, fetch.ids[0], lane);
+      fetch.advance(a, g1, heads_kv, lane);
+      return absent;
+    };
+    AbsentMasks<Stages> absent;
 #pragma unroll
-  for (int s = 0; s < Stages - 1; ++s) absent.set(s, issue_next(s));
+    for (int s = 0; s < Stages - 1; ++s) absent.set(s, issue_next(s));
 
-  QFragments<D> q;
-  q.tile = q_tile;
-  q.row0 = 0;
-  RowState<D> st;
-  float unshift[2] = {1.f, 1.f};  // fp8: 2^-shift of this lane's two rows
-  ValueRef vref;                  // fp8: the pair's value references
-  int cur = 0;
-  for (std::int64_t g = g0; g < g1; ++g) {
-    const bool starts = cc.t == 0 || g == g0;
-    const PairRows p{cc.seg, group, cc.h, cc.seg.len * group};
-    if constexpr (kQueryInRegisters<D>) {
+    QFragments<D> q;
+    q.tile = q_tile;
+    q.row0 = 0;
+    RowState<D> st;
+    float unshift[2] = {1.f, 1.f};  // fp8: 2^-shift of this lane's two rows
+    ValueRef vref;                  // fp8: the pair's value references
+    int cur = 0;
+    for (std::int64_t g = g0; g < g1; ++g) {
+      const bool starts = cc.t == 0 || g == g0;
+      const PairRows p{cc.seg, group, cc.h, cc.seg.len * group};
+      if constexpr (kQueryInRegisters<D>) {
+        if (starts) {
+          if constexpr (kFp8) load_query_fp16_registers<D, G::kDirectK>(q, a.q, a.heads_q, p, lane, unshift);
+          else load_query_registers<D>(q, a.q, a.heads_q, p, lane);
+        }
+      }
+      ring.wait();
       if (starts) {
-        if constexpr (kFp8) load_query_fp16_registers<D, G::kDirectK>(q, a.q, a.heads_q, p, lane, unshift);
-        else load_query_registers<D>(q, a.q, a.heads_q, p, lane);
+        if constexpr (!kQueryInRegisters<D>) {
+          if constexpr (kFp8) load_query_fp16_shared<D>(q_tile, a.q, a.heads_q, p, lane, unshift);
+          else load_query_shared<D>(q_tile, a.q, a.heads_q, p, lane);
+        }
+        st = RowState<D>{};
+        vref = ValueRef{};
       }
-    }
-    ring.wait();
-    if (starts) {
-      if constexpr (!kQueryInRegisters<D>) {
-        if constexpr (kFp8) load_query_fp16_shared<D>(q_tile, a.q, a.heads_q, p, lane, unshift);
-        else load_query_shared<D>(q_tile, a.q, a.heads_q, p, lane);
-      }
-      st = RowState<D>{};
-      vref = ValueRef{};
-    }
-    absent.push(issue_next(cur + Stages - 1 < Stages ? cur + Stages - 1 : cur - 1));  // the stage computed last iteration
+      absent.push(issue_next(cur + Stages - 1 < Stages ? cur + Stages - 1 : cur - 1));  // the stage computed last iteration
 
-    const int key0 = (cc.tile0 + cc.t) * G::kPositions;
-    const bool full = key0 >= visible_begin(a.window, p.qpos(p.rows - 1)) && key0 + G::kPositions - 1 <= cc.seg.pos0;
-    float s[G::kNT][4];
-    auto qpos = [&](int r) { return p.qpos(r); };
-    if constexpr (kFp8) {
-      if constexpr (G::kDirectK) {
-        convert_codes<D, G::kPositions>({ring.v(cur)}, {ring.v_half()}, lane);
-        qk_codes<D, G::kNT>(s, q, ring.k(cur), lane);
-        __syncwarp();  // the V tile, written by every lane, before pv reads it
+      const int key0 = (cc.tile0 + cc.t) * G::kPositions;
+      const bool full = key0 >= visible_begin(a.window, p.qpos(p.rows - 1)) && key0 + G::kPositions - 1 <= cc.seg.pos0;
+      float s[G::kNT][4];
+      auto qpos = [&](int r) { return p.qpos(r); };
+      if constexpr (kFp8) {
+        if constexpr (G::kDirectK) {
+          convert_codes<D, G::kPositions>({ring.v(cur)}, {ring.v_half()}, lane);
+          qk_codes<D, G::kNT>(s, q, ring.k(cur), lane);
+          __syncwarp();  // the V tile, written by every lane, before pv reads it
+        } else {
+          convert_codes<D, G::kPositions>({ring.k(cur), ring.v(cur)}, {ring.k_half(), ring.v_half()}, lane);
+          __syncwarp();
+          qk<D, G::kNT, M>(s, q, ring.k_half(), 0, lane);
+        }
+        float ks[G::kNT][2];
+        column_scales<G::kNT>(ring.k_scales(cur), ks, lane);
+        const float row_factor[2] = {unshift[0] * a.scale_log2, unshift[1] * a.scale_log2};
+        mask_tile<G::kNT>(s, p.rows, qpos, key0, a.window, full, absent.pop(),
+                          [&](int h, int n, int e) { return row_factor[h] * ks[n][e & 1]; }, lane);
+        weigh_values<D, G::kNT>(s, st, vref, ring.v_scales(cur), lane);
+        pv<D, G::kNT, M>(st.o, s, ring.v_half(), 0, lane);
       } else {
-        convert_codes<D, G::kPositions>({ring.k(cur), ring.v(cur)}, {ring.k_half(), ring.v_half()}, lane);
-        __syncwarp();
-        qk<D, G::kNT, M>(s, q, ring.k_half(), 0, lane);
+        qk<D, G::kNT, M>(s, q, ring.k(cur), 0, lane);
+        mask_tile<G::kNT>(s, p.rows, qpos, key0, a.window, full, absent.pop(), a.scale_log2, lane);
+        st.absorb(s);
+        pv<D, G::kNT, M>(st.o, s, ring.v(cur), 0, lane);
       }
-      float ks[G::kNT][2];
-      column_scales<G::kNT>(ring.k_scales(cur), ks, lane);
-      const float row_factor[2] = {unshift[0] * a.scale_log2, unshift[1] * a.scale_log2};
-      mask_tile<G::kNT>(s, p.rows, qpos, key0, a.window, full, absent.pop(),
-                        [&](int h, int n, int e) { return row_factor[h] * ks[n][e & 1]; }, lane);
-      weigh_values<D, G::kNT>(s, st, vref, ring.v_scales(cur), lane);
-      pv<D, G::kNT, M>(st.o, s, ring.v_half(), 0, lane);
-    } else {
-      qk<D, G::kNT, M>(s, q, ring.k(cur), 0, lane);
-      mask_tile<G::kNT>(s, p.rows, qpos, key0, a.window, full, absent.pop(), a.scale_log2, lane);
-      st.absorb(s);
-      pv<D, G::kNT, M>(st.o, s, ring.v(cur), 0, lane);
-    }
 
-    if (cc.t == cc.tiles - 1 || g == g1 - 1) {
-      if constexpr (kFp8) {  // o x ref: the true weighted sum of the values (fp8_tiles.cuh)
+      if (cc.t == cc.tiles - 1 || g == g1 - 1) {
+        if constexpr (kFp8) {  // o x ref: the true weighted sum of the values (fp8_tiles.cuh)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) st.rescale(h, vref.ref[h]);
+          for (int h = 0; h < 2; ++h) st.rescale(h, vref.ref[h]);
+        }
+        if (mode < 0) {
+          cp_async_wait<0>();
+          __syncwarp();  // every lane's last reads of the stages, before the part overwrites them
+          store_team_part<D>(part(), st, p.rows, lane);
+        } else {
+          finish_pair<T, D>(a, cc, p, st, worker, mode, lane);
+        }
       }
-      finish_pair<T, D>(a, cc, p, st, worker, chunk, mine.whole_pairs, lane);
+      if (g + 1 < g1) cc.next(a, heads_kv, G::kPositions);
+      cur = cur + 1 == Stages ? 0 : cur + 1;
     }
-    if (g + 1 < g1) cc.next(a, heads_kv, G::kPositions);
-    cur = cur + 1 == Stages ? 0 : cur + 1;
+    cp_async_wait<0>();
   }
-  cp_async_wait<0>();
+  if (mode < 0) {
+    __syncthreads();  // every part of every team of the block stored
+    const int team = static_cast<int>(-mode);
+    if (threadIdx.x / 32 % team == 0 && g0 < g1)  // member 0, after the loop over its share of pair cc
+      write_team_output<T, D>(a, PairRows{cc.seg, group, cc.h, cc.seg.len * group}, part(), kWarpBytes / 4,
+                              team_members(cc.tiles, team), lane);
+  }
 }
 
 }  // namespace cellkv::gpu::kernels
