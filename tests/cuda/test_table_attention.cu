@@ -255,9 +255,10 @@ TEST_CASE("table kernels: one long sequence is split over many warps and merged,
   require_device_ok();
 }
 
-// Decode steps of 12 sequences of 20-140 positions: 24 (sequence, KV head) pairs of at most 9 tiles,
-// fewer than the decode grid's blocks, so each pair runs as a team of all the warps of a block, its
-// parts merged in shared memory (decode_assignment); a step of 2-token segments too.
+// Decode steps of 12 sequences of 20-105 positions: 24 (sequence, KV head) pairs of at most 7 tiles,
+// fewer than the decode grid's blocks, so each pair runs as a team of the block's warps (8; 4 of the
+// 5 for D 256), at most two tiles a warp, its parts merged in shared memory (decode_assignment); a
+// step of 2-token segments too.
 template <class Cache>
 void team_steps(std::int32_t head_dim) {
   CAPTURE(head_dim);
@@ -270,7 +271,7 @@ void team_steps(std::int32_t head_dim) {
   for (int i = 0; i < 12; ++i) {
     const std::int32_t seq = cache.seq_new().value();
     seqs.push_back(seq);
-    for (std::int32_t n = 20 + static_cast<std::int32_t>(rng() % 120); n > 0; n -= 64) {
+    for (std::int32_t n = 20 + static_cast<std::int32_t>(rng() % 80); n > 0; n -= 64) {
       const std::int32_t chunk = std::min<std::int32_t>(n, 64);
       REQUIRE(cache.declare_step(std::vector<std::int32_t>(static_cast<std::size_t>(chunk), seq)).ok());
       REQUIRE(cache.upload(stream).ok());

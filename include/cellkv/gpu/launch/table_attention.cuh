@@ -69,7 +69,7 @@ inline constexpr int kMaxDynamicSmem = 227 * 1024;
 // The decode kernel's warps per block and stages per warp for head dim D and stored elements of
 // `bytes` bytes: CELLKV_DECODE_WARPS and CELLKV_DECODE_STAGES (8 and 3; fp8: CELLKV_DECODE_FP8_*),
 // fewer stages (not below 2), then fewer warps, where the block's shared memory would pass 227 KB
-// (bf16 D = 256 gets 4 warps of 3 stages).
+// (bf16 D = 256 gets 5 warps of 2 stages).
 struct DecodeConfig {
   int warps = 0, stages = 0;
 };
