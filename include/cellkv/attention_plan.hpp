@@ -173,6 +173,16 @@ CELLKV_HOST_DEVICE constexpr DecodeAssignment decode_assignment(std::int64_t pai
   return {};
 }
 
+// Member m of a team of `team` warps streams tiles [m share, min(tiles, (m + 1) share)) of its pair
+// of `tiles` tiles; the first team_members of them hold tiles (the parts to merge).
+CELLKV_HOST_DEVICE constexpr std::int32_t team_share(std::int32_t tiles, std::int32_t team) noexcept {
+  return (tiles + team - 1) / team;
+}
+CELLKV_HOST_DEVICE constexpr std::int32_t team_members(std::int32_t tiles, std::int32_t team) noexcept {
+  const std::int32_t share = team_share(tiles, team);
+  return (tiles + share - 1) / share;
+}
+
 // Workers [first, last] that hold a part of the pair covering tiles [begin, end) (end > begin).
 struct PartRange {
   std::int32_t first = 0;

@@ -88,7 +88,7 @@ TEST_CASE("decode work: teams for few short pairs, whole pairs for about one per
   CHECK(decode_assignment(0, 132, 8, 0, 0).even);
 }
 
-TEST_CASE("decode work: every pair has a team in its block, and a team's shares cover its pair") {
+TEST_CASE("decode work: every pair has a team in its block, and the teams fit it") {
   std::mt19937 rng(5);
   for (int trial = 0; trial < 2000; ++trial) {
     CAPTURE(trial);
@@ -102,4 +102,25 @@ TEST_CASE("decode work: every pair has a team in its block, and a team's shares 
     CHECK((as.team & (as.team - 1)) == 0);                                // a power of two
     if (as.team > 1) CHECK((longest + as.team - 1) / as.team <= kTeamTiles);
   }
+}
+
+TEST_CASE("decode work: a team's shares cover its pair once, and team_members counts the warps with tiles") {
+  for (std::int32_t team = 1; team <= 8; team *= 2)
+    for (std::int32_t tiles = 1; tiles <= 40; ++tiles) {
+      CAPTURE(team);
+      CAPTURE(tiles);
+      std::vector<int> covered(static_cast<std::size_t>(tiles), 0);
+      std::int32_t with_tiles = 0;
+      for (std::int32_t m = 0; m < team; ++m) {
+        const std::int32_t share = team_share(tiles, team);
+        const std::int32_t lo = std::min(tiles, m * share), hi = std::min(tiles, (m + 1) * share);
+        for (std::int32_t t = lo; t < hi; ++t) ++covered[static_cast<std::size_t>(t)];
+        if (hi > lo) {
+          CHECK(m == with_tiles);  // the warps with tiles come first
+          ++with_tiles;
+        }
+      }
+      CHECK(std::all_of(covered.begin(), covered.end(), [](int c) { return c == 1; }));
+      CHECK(team_members(tiles, team) == with_tiles);
+    }
 }

@@ -172,11 +172,6 @@ struct WorkerTiles {
   std::int64_t g0 = 0, g1 = 0, mode = 1;
 };
 
-// The warps of a team of `team` that hold tiles of a pair of `tiles` tiles (worker_tiles' shares).
-__device__ __forceinline__ int team_members(int tiles, int team) {
-  const int share = (tiles + team - 1) / team;
-  return (tiles + share - 1) / share;
-}
 __device__ inline WorkerTiles worker_tiles(const WindowWork& work, int n, int heads_kv, int longest, int block, int warp,
                                            int blocks, int warps) {
   const std::int64_t pairs = static_cast<std::int64_t>(n) * heads_kv;
@@ -195,7 +190,7 @@ __device__ inline WorkerTiles worker_tiles(const WindowWork& work, int n, int he
   if (slot >= as.per_block || pair >= pairs) return w;
   const int d = static_cast<int>(pair / heads_kv), h = static_cast<int>(pair % heads_kv);
   const std::int32_t first = work.decode_prefix[d], tiles = work.decode_prefix[d + 1] - first;
-  const std::int32_t share = (tiles + as.team - 1) / as.team;
+  const std::int32_t share = team_share(tiles, as.team);
   const std::int64_t base = static_cast<std::int64_t>(first) * heads_kv + static_cast<std::int64_t>(h) * tiles;
   w.g0 = base + min(tiles, member * share);
   w.g1 = base + min(tiles, (member + 1) * share);
