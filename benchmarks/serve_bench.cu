@@ -29,6 +29,7 @@
 // config, for the PyTorch peer (serve_peer.py).
 //
 //   build/benchmarks/cellkv-bench-serve [--quick] [--out FILE] [--weights-out FILE] [--sessions 1,16,...]
+//                                       [--max-gemv-width N]   (default 16; 0: cuBLAS at every width)
 //   build/benchmarks/cellkv-bench-serve --kv fp8 [--quick] [--out FILE] [--sessions 1,16,...]
 //   build/benchmarks/cellkv-bench-serve --parallel-sampling [--quick] [--out FILE] [--sampling-shape 16,2048,8,256]
 #include <cellkv/batching/executor.hpp>
@@ -55,6 +56,7 @@ namespace {
 using Model = bench::ServeWindows;
 constexpr std::int32_t kPrompt = 128, kMaxLen = 384, kWarmup = 3, kTimed = 64, kProfiled = 32;
 constexpr double kCopyTBs = 4.2, kGemmTFLOPs = 780.0;  // the H200's measured ceilings
+std::int32_t g_max_gemv_width = 16;  // --max-gemv-width: widths up to this run the skinny GEMV, above cuBLAS
 
 const llama::Config& kConfig = bench::kServeConfig;
 const cellkv::gpu::PoolShape kShape{.layers = kConfig.layers, .heads_kv = kConfig.heads_kv,
@@ -82,7 +84,8 @@ Row measure(const llama::Weights& weights, std::int32_t sessions) {
                                    .max_seqs = sessions, .max_len = kMaxLen};
   cellkv::gpu::Stream stream;
   Cache cache(config, kShape);
-  llama::GpuLlama<Cache> model(kConfig, weights, cache, stream.get(), {.max_graph_width = 256});
+  llama::GpuLlama<Cache> model(kConfig, weights, cache, stream.get(),
+                                {.max_graph_width = 256, .max_gemv_width = g_max_gemv_width});
   cellkv::batching::Executor exec(model, cache,
                                   {.max_write = max_write, .min_prefill_tokens = 2, .max_tokens_per_session = kMaxLen});
   bench::start_sessions(exec, sessions, kPrompt, kConfig.vocab);
@@ -269,6 +272,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--weights-out") == 0 && i + 1 < argc) weights_out = argv[++i];
     if (std::strcmp(argv[i], "--parallel-sampling") == 0) parallel_sampling = true;
     if (std::strcmp(argv[i], "--kv") == 0 && i + 1 < argc) kv = argv[++i];
+    if (std::strcmp(argv[i], "--max-gemv-width") == 0 && i + 1 < argc) g_max_gemv_width = std::atoi(argv[++i]);
     if (std::strcmp(argv[i], "--sampling-shape") == 0 && i + 1 < argc && !parse_shape(argv[++i], sampling_shape)) {
       std::fprintf(stderr, "cellkv-bench-serve: --sampling-shape takes P,L,S,N (prompts, prompt tokens, samples, "
                            "new tokens)\n");

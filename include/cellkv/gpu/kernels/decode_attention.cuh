@@ -712,9 +712,15 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   using M = std::conditional_t<kFp8, __half, T>;  // the MMA operand type
   extern __shared__ __align__(128) unsigned char smem[];
   allow_dependent_grids();
+  // Up to wait_for_prior_grids (a dependent launch), only the step's plan is read: the work, the
+  // segments and the position tables, which no kernel of the forward changes.
   const int n = a.work.decode_count(), longest = a.work.longest_decode_pair();
-  zero_padding_rows<T, D>(a, *a.tokens);
-  if (n == 0) return;
+  const std::int32_t tokens = *a.tokens;
+  auto begin_writes = [&] {  // once per thread, before it reads q or the pool or writes out
+    wait_for_prior_grids();
+    zero_padding_rows<T, D>(a, tokens);
+  };
+  if (n == 0) return begin_writes();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
   const int worker = blockIdx.x * Warps + warp;
@@ -722,7 +728,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
                                         static_cast<int>(gridDim.x), Warps);
   const std::int64_t g0 = mine.g0, g1 = mine.g1, mode = mine.mode;
   // mode < 0 (teams of two or more) is block-uniform: then every warp meets the barrier below.
-  if (mode >= 0 && g0 >= g1) return;
+  if (mode >= 0 && g0 >= g1) return begin_writes();
   constexpr int kWarpBytes = decode_warp_smem_bytes(D, Stages, kBytes);
   static_assert(TeamPart<D>::kBytes <= kWarpBytes, "a team's part fits its warp's stages");
   auto part = [&] { return TeamPart<D>{reinterpret_cast<float*>(smem + threadIdx.x / 32 * kWarpBytes)}; };  // this warp's
@@ -735,6 +741,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
     cc.seek(a, g0, heads_kv, G::kPositions, lane);
     RowFetch<D, Rows, kBytes> fetch;
     fetch.start(a, cc, g1, heads_kv, lane);
+    begin_writes();
     // Issues the next tile into stage s (or an empty group past the chunk's end); returns the tile's
     // absent columns (holes, positions no row reads).
     auto issue_next = [&](int s) -> std::uint64_t {

@@ -8,10 +8,11 @@
 // rely on the whole chain having completed. Before the wait it may only touch memory no earlier
 // kernel of the stream changes (weights, for example).
 //
-// The attention kernels (decode, prefill, reference), which a model's output projection follows,
-// call allow_dependent_grids() as they start: a model kernel launched with launch_dependent() can
-// then be resident and fetch its weights while cellkv's attention runs. Both device calls are
-// no-ops below sm_90 and for kernels launched the ordinary way.
+// cellkv's kernels of a layer (write_kv, and the table attention's shared-prefix, merge, decode and
+// prefill kernels) are dependent launches on sm_90 and later and follow these rules; they and the
+// reference kernel call allow_dependent_grids() as they start, so a model kernel launched with
+// launch_dependent() after them can be resident and fetch its weights while cellkv's attention
+// runs. Both device calls are no-ops below sm_90 and for kernels launched the ordinary way.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -87,6 +87,8 @@ __global__ void __launch_bounds__(kPrefillThreads) shared_prefix_attention(Share
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int ids[2][kPrefillTile];
   __shared__ int bounds[2];
+  allow_dependent_grids();
+  wait_for_prior_grids();
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
   const int items = a.sharing.item_count() * heads_kv;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
@@ -138,6 +140,8 @@ template <int D>
 __global__ void __launch_bounds__(kMergeThreads<D>) merge_shared_splits(MergeArgs a) {
   __shared__ float weights[kMergeHeads][kMaxSplits];
   __shared__ int unit_run;
+  allow_dependent_grids();
+  wait_for_prior_grids();
   const int groups = (a.heads_q + kMergeHeads - 1) / kMergeHeads;
   const int units = a.sharing.run_token_count() * groups;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {

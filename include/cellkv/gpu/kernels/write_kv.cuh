@@ -14,6 +14,7 @@
 
 #include "cellkv/fp8.hpp"
 #include "cellkv/fp8_pool_view.hpp"
+#include "cellkv/gpu/kernels/dependent_launch.cuh"
 #include "cellkv/gpu/numeric.cuh"
 #include "cellkv/gpu/step_views.hpp"
 #include "cellkv/pool_view.hpp"
@@ -32,6 +33,8 @@ __device__ __forceinline__ std::int64_t checked_row(std::int64_t row, std::int64
 template <class T>
 __global__ void write_kv(PoolView<T> pool, const T* __restrict__ k, const T* __restrict__ v,
                          const std::int64_t* __restrict__ cells, std::int32_t tokens, std::uint32_t* fault) {
+  allow_dependent_grids();
+  wait_for_prior_grids();
   const std::int64_t row_vecs = pool.row_elems() * static_cast<std::int64_t>(sizeof(T)) / 16;
   const std::int64_t per_tensor = tokens * row_vecs;
   const std::int64_t total = 2 * per_tensor;
@@ -52,6 +55,8 @@ __global__ void write_kv(PoolView<T> pool, const T* __restrict__ k, const T* __r
 template <int D, class T>
 __global__ void write_kv_fp8(Fp8PoolView<Fp8E4M3> pool, const T* __restrict__ k, const T* __restrict__ v,
                              const std::int64_t* __restrict__ cells, std::int32_t tokens, std::uint32_t* fault) {
+  allow_dependent_grids();
+  wait_for_prior_grids();
   constexpr int E = D / 32;
   const int lane = threadIdx.x % 32;
   const std::int64_t heads = static_cast<std::int64_t>(tokens) * pool.heads_kv;

@@ -10,7 +10,11 @@
 //   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
 //   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together
 // The last two fold the shared partials into their outputs. Outside graph capture a kernel with no
-// work in the uploaded step is not launched at all.
+// work in the uploaded step is not launched at all. On sm_90 and later every one of them is a
+// dependent launch (kernels/dependent_launch.cuh): it is scheduled while the kernel before it
+// finishes, reads the step's plan (work, segments, position tables) and waits for that kernel
+// before it reads q or the pool; the shared-prefix, merge and prefill kernels wait as they start,
+// the decode kernel after its first table reads.
 //
 // Supported, written out: element types __nv_bfloat16 and __half (fp32 accumulation) and fp8
 // storage of either (gpu::Fp8<In>: E4M3 codes with a scale per row-head; decode converts codes to
@@ -30,6 +34,7 @@
 #include "cellkv/prefix_sharing.hpp"
 #include "cellkv/gpu/error.hpp"
 #include "cellkv/gpu/kernels/decode_attention.cuh"
+#include "cellkv/gpu/kernels/dependent_launch.cuh"
 #include "cellkv/gpu/kernels/prefill_attention.cuh"
 #include "cellkv/gpu/kernels/shared_prefix_attention.cuh"
 #include "cellkv/gpu/kernels/tile_rows.cuh"
@@ -165,19 +170,19 @@ class TableAttention {
       constexpr int D = decltype(d)::value;
       if (sharing && (any || work.shared > 0)) {  // before both: they fold its partials in
         if (const Status s = launch_shared<D>(shared, stream.get()); !s.ok()) return s;
-        kernels::merge_shared_splits<D><<<merge_grid_, kernels::kMergeThreads<D>, 0, stream.get()>>>(
-            kernels::MergeArgs{b.shared, shared_o_.data(), shared_lse_.data(), shape_.heads_q});
-        if (const Status s = detail::last_launch(); !s.ok()) return s;
+        CELLKV_CUDA_STATUS(launch_dependent(dependent_, kernels::merge_shared_splits<D>, merge_grid_,
+                                            kernels::kMergeThreads<D>, 0, stream.get(),
+                                            kernels::MergeArgs{b.shared, shared_o_.data(), shared_lse_.data(), shape_.heads_q}));
       }
       if (prefill && decode) {  // fork: prefill on the side stream, decode here, then join
         if (const Status s = fork_.record(stream); !s.ok()) return s;
         if (const Status s = fork_.wait_on(side_); !s.ok()) return s;
-        if (const Status s = launch_prefill<D>(pre, side_.get()); !s.ok()) return s;
+        if (const Status s = launch_prefill<D>(pre, side_.get(), false); !s.ok()) return s;
         if (const Status s = join_.record(side_); !s.ok()) return s;
         if (const Status s = launch_decode<D>(dec, stream.get()); !s.ok()) return s;
         return join_.wait_on(stream);
       }
-      return prefill ? launch_prefill<D>(pre, stream.get()) : launch_decode<D>(dec, stream.get());
+      return prefill ? launch_prefill<D>(pre, stream.get(), dependent_) : launch_decode<D>(dec, stream.get());
     });
   }
 
@@ -209,30 +214,36 @@ class TableAttention {
   // The dynamic shared-memory limit is raised right before each launch, in the same code as the
   // launch: a template kernel instantiated in several translation units has one registration per
   // unit, and an attribute set through one unit's kernel pointer does not reach another's.
-  // Launches `kernel` with `smem` bytes of dynamic shared memory (the limit raised first).
+  // Launches `kernel` with `smem` bytes of dynamic shared memory (the limit raised first), as a
+  // dependent launch when `dependent` (every kernel of the layer's attention waits for the kernels
+  // before it before reading what they write: kernels/dependent_launch.cuh).
   template <class Kernel, class Args>
-  static Status launch(Kernel* kernel, int grid, int threads, int smem, cudaStream_t stream, const Args& args) {
+  static Status launch(Kernel* kernel, int grid, int threads, int smem, bool dependent, cudaStream_t stream,
+                       const Args& args) {
     CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<grid, threads, smem, stream>>>(args);
-    return detail::last_launch();
+    CELLKV_CUDA_STATUS(launch_dependent(dependent, kernel, grid, threads, static_cast<std::size_t>(smem), stream, args));
+    return {};
   }
   template <int D>
   Status launch_decode(const kernels::DecodeArgs<In, Rows, S>& a, cudaStream_t stream) const {
     return launch(kernels::decode_attention<In, D, kDec<D>.stages, kDec<D>.warps, Rows, S>, decode_grid_,
-                  kDec<D>.warps * 32, kDecSmem<D>, stream, a);
+                  kDec<D>.warps * 32, kDecSmem<D>, dependent_, stream, a);
   }
+  // dependent: false on the side stream of a step with both kinds of segment (its first node
+  // follows an event, not a kernel).
   template <int D>
-  Status launch_prefill(const kernels::PrefillArgs<In, Rows, S>& a, cudaStream_t stream) const {
+  Status launch_prefill(const kernels::PrefillArgs<In, Rows, S>& a, cudaStream_t stream, bool dependent) const {
     return launch(kernels::prefill_attention<In, D, kPrefillStages<D>, Rows, S>, prefill_grid_, kernels::kPrefillThreads,
-                  kPreSmem<D>, stream, a);
+                  kPreSmem<D>, dependent, stream, a);
   }
   template <int D>
   Status launch_shared(const kernels::SharedArgs<In, Rows, S>& a, cudaStream_t stream) const {
     return launch(kernels::shared_prefix_attention<In, D, kPrefillStages<D>, Rows, S>, shared_grid_,
-                  kernels::kPrefillThreads, kPreSmem<D>, stream, a);
+                  kernels::kPrefillThreads, kPreSmem<D>, dependent_, stream, a);
   }
 
   TableShape shape_;
+  bool dependent_ = dependent_launch_supported();  // the layer's kernels as dependent launches (sm_90+)
   int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0, merge_grid_ = 0;
   std::int32_t slots_ = 0;
   DeviceBuffer<float> partial_o_, partial_lse_;
