@@ -84,6 +84,8 @@ inline constexpr int kRopeThreads = 128;
 template <class T>
 __global__ void rope_split(const T* qkv, T* q, T* k, T* v, const std::int32_t* positions, std::int32_t q_w,
                            std::int32_t kv_w, std::int32_t head_dim, float theta) {
+  cellkv::gpu::kernels::allow_dependent_grids();
+  cellkv::gpu::kernels::wait_for_prior_grids();
   const std::int32_t n = q_w + 2 * kv_w, row = static_cast<std::int32_t>(blockIdx.y);
   const std::int32_t c = 2 * static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
   if (c >= n) return;
@@ -97,6 +99,8 @@ __global__ void rope_split(const T* qkv, T* q, T* k, T* v, const std::int32_t* p
 inline constexpr int kSwigluThreads = 256;
 template <class T>
 __global__ void swiglu_pairs(const T* h13, T* a, std::int32_t ffn) {
+  cellkv::gpu::kernels::allow_dependent_grids();
+  cellkv::gpu::kernels::wait_for_prior_grids();
   const std::int64_t row = blockIdx.y;
   const std::int32_t j = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
   if (j >= ffn) return;
@@ -112,6 +116,8 @@ inline constexpr int kNormThreads = 256;
 template <class T>
 __global__ void __launch_bounds__(kNormThreads) rmsnorm(const T* x, const T* gain, T* y, std::int32_t dim, float eps) {
   __shared__ float warp_sums[kNormThreads / 32];
+  cellkv::gpu::kernels::allow_dependent_grids();
+  cellkv::gpu::kernels::wait_for_prior_grids();
   const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * dim;
   const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
   float ss = 0.f;

@@ -48,6 +48,7 @@
 #include <span>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "all_reduce.cuh"
@@ -66,8 +67,9 @@ struct GpuOptions {
   bool graphs = true;
   std::int32_t max_gemv_width = 16;   // widths up to this (<= 16) run the fused skinny GEMV; 0: cuBLAS only
   bool profile = false;               // time each step's phases (phase_times()); also set_profile()
-  // The GEMVs as dependent launches (sm_90 and later; cellkv/gpu/kernels/dependent_launch.cuh):
-  // each fetches its weights while the kernel before it still runs.
+  // The GEMVs and the RMSNorm, RoPE and SwiGLU kernels as dependent launches (sm_90 and later;
+  // cellkv/gpu/kernels/dependent_launch.cuh): each is scheduled while the kernel before it still
+  // runs, and the GEMVs fetch their weights then.
   bool dependent_launch = true;
 };
 
@@ -383,12 +385,12 @@ class GpuRank {
         a.theta = c_.rope_theta;
         CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::qkv_rope, true>(a, rows, options_.dependent_launch, stream_)));
       } else {
-        kernels::rmsnorm<T><<<width, kernels::kNormThreads, 0, stream_>>>(x_.data(), lw.attn_norm.data(), h_.data(), dim, c_.norm_eps);
+        CELLKV_CUDA_STATUS(launch(kernels::rmsnorm<T>, width, kernels::kNormThreads, x_.data(), lw.attn_norm.data(),
+                                  h_.data(), dim, c_.norm_eps));
         if (const auto s = gemm(h_.data(), lw.wqkv.data(), qkv_.data(), false, width, dim, qkv_w, false); !s.ok()) return s;
         const dim3 pairs((qkv_w / 2 + kernels::kRopeThreads - 1) / kernels::kRopeThreads, width);
-        kernels::rope_split<T><<<pairs, kernels::kRopeThreads, 0, stream_>>>(qkv_.data(), q_.data(), k_.data(), v_.data(),
-                                                                              positions, q_w, kv_w, c_.head_dim,
-                                                                              c_.rope_theta);
+        CELLKV_CUDA_STATUS(launch(kernels::rope_split<T>, pairs, kernels::kRopeThreads, qkv_.data(), q_.data(), k_.data(),
+                                  v_.data(), positions, q_w, kv_w, c_.head_dim, c_.rope_theta));
       }
       if (const auto s = attention_.update_and_attend(l, q_.data(), k_.data(), v_.data(), attn_.data(), width,
                                                       c_.heads_q, 0.f, ::cuda::stream_ref(stream_));
@@ -429,11 +431,12 @@ class GpuRank {
         b.accumulate = residual;
         CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store, false>(b, rows, options_.dependent_launch, stream_)));
       } else {
-        kernels::rmsnorm<T><<<width, kernels::kNormThreads, 0, stream_>>>(x_.data(), lw.ffn_norm.data(), h_.data(), dim, c_.norm_eps);
+        CELLKV_CUDA_STATUS(launch(kernels::rmsnorm<T>, width, kernels::kNormThreads, x_.data(), lw.ffn_norm.data(),
+                                  h_.data(), dim, c_.norm_eps));
         if (const auto s = gemm(h_.data(), lw.w13.data(), h13_.data(), false, width, dim, 2 * c_.ffn, false); !s.ok())
           return s;
         const dim3 outputs((c_.ffn + kernels::kSwigluThreads - 1) / kernels::kSwigluThreads, width);
-        kernels::swiglu_pairs<T><<<outputs, kernels::kSwigluThreads, 0, stream_>>>(h13_.data(), a_.data(), c_.ffn);
+        CELLKV_CUDA_STATUS(launch(kernels::swiglu_pairs<T>, outputs, kernels::kSwigluThreads, h13_.data(), a_.data(), c_.ffn));
         if (const auto s = gemm(a_.data(), lw.w2.data(), x_.data(), false, width, c_.ffn, dim, residual); !s.ok())
           return s;
       }
@@ -452,13 +455,22 @@ class GpuRank {
         a.ld = c_.vocab;
         CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store_float, true>(a, rows, options_.dependent_launch, stream_)));
       } else {
-        kernels::rmsnorm<T><<<width, kernels::kNormThreads, 0, stream_>>>(x_.data(), final_norm_.data(), h_.data(), dim, c_.norm_eps);
+        CELLKV_CUDA_STATUS(launch(kernels::rmsnorm<T>, width, kernels::kNormThreads, x_.data(), final_norm_.data(),
+                                  h_.data(), dim, c_.norm_eps));
         if (const auto s = gemm(h_.data(), lm_head_.data(), logits_.data(), true, width, dim, c_.vocab, false); !s.ok())
           return s;
       }
     }
     CELLKV_CUDA_STATUS(cudaGetLastError());
     return {};
+  }
+
+  // An elementwise kernel of the forward, on the rank's stream, as a dependent launch when the
+  // options ask for them (each calls allow_dependent_grids and wait_for_prior_grids first).
+  template <class... Params, class... Args>
+  cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, Args&&... args) const {
+    return cellkv::gpu::launch_dependent(options_.dependent_launch, kernel, grid, block, 0, stream_,
+                                         std::forward<Args>(args)...);
   }
 
   // Wt [out, in] of W [in, out] (row-major), in T.
