@@ -10,10 +10,10 @@
 //
 // A run is one unit of work whose query rows are all its members' step tokens x their GQA heads
 // (packed as MMA rows, kSharedRows per item), over the run's positions cut into `splits` KV
-// ranges. Every (run, split) writes a partial result per member token and head into its own slot;
-// then the splits of every (run, token) are merged into the slot of split 0. A
-// token's split-0 slots, one per run it belongs to, are consecutive (token_slots); the kernel that
-// reads a segment's own positions folds them into its output by log-sum-exp (the split-KV merge).
+// ranges. Every (run, split) writes a partial result per member token and head into its own slot.
+// A token's slots, every split of every run it belongs to, are consecutive (token_slots; a run's
+// splits consecutive within them); the kernel that reads a segment's own positions folds them all
+// into its output by log-sum-exp (the split-KV merge), so no kernel merges the splits before.
 // Nothing here depends on where cells are or on windows.
 //
 // This header holds the plan's data (fixed-capacity arrays in device or staging memory);
@@ -64,11 +64,10 @@ struct SharedWork {
   std::int32_t* counts = nullptr;      // [3]: runs, items, run tokens
   SharedRun* runs = nullptr;           // [max_runs]
   std::int32_t* run_tokens = nullptr;  // [slots] the member tokens of every run, run by run
-  std::int32_t* run_slot = nullptr;    // [slots] slot of split 0 of that token in that run
-  std::int32_t* run_extra = nullptr;   // [slots] slot of split 1 (split k: + k - 1) of that token
+  std::int32_t* run_slot = nullptr;    // [slots] slot of split 0 of that token in that run (split k: + k)
   SharedItem* items = nullptr;         // [slots]
   std::int32_t* own_begin = nullptr;   // [max_write] per segment: first position it reads itself
-  SlotRange* token_slots = nullptr;    // [max_write] per step token: its split-0 slots, one per run
+  SlotRange* token_slots = nullptr;    // [max_write] per step token: its slots, every split of every run
 
   CELLKV_HOST_DEVICE std::int32_t run_count() const noexcept { return counts[0]; }
   CELLKV_HOST_DEVICE std::int32_t item_count() const noexcept { return counts[1]; }

@@ -122,13 +122,14 @@ class SharingPlanner {
     return slots <= shape.slots && items <= shape.slots;
   }
 
-  // The kept runs into `out`: each token's split-0 slots consecutive (its runs in depth order),
-  // then the slots of the other splits.
+  // The kept runs into `out`: each token's slots consecutive, its runs in depth order and each
+  // run's splits in split order.
   void write(const SharingShape& shape, const SharedWork& out) {
     const std::size_t tokens = segments_.empty() ? 0 : static_cast<std::size_t>(segments_.back().tok0 + segments_.back().len);
-    std::vector<std::int32_t>& level = scratch_count_;  // per token: its runs so far
+    std::vector<std::int32_t>& level = scratch_count_;  // per token: its slots so far
     level.assign(tokens, 0);
-    for (const Run& r : runs_) for_each_member_token(r, [&](std::int32_t t) { ++level[static_cast<std::size_t>(t)]; });
+    for (const Run& r : runs_)
+      for_each_member_token(r, [&](std::int32_t t) { level[static_cast<std::size_t>(t)] += r.splits; });
     std::int32_t next = 0;
     for (std::size_t t = 0; t < tokens; ++t) {
       out.token_slots[t] = SlotRange{next, level[t]};
@@ -141,9 +142,8 @@ class SharingPlanner {
       const std::int32_t token0 = token_at;
       for_each_member_token(r, [&](std::int32_t t) {
         out.run_tokens[token_at] = t;
-        out.run_slot[token_at] = out.token_slots[t].first + level[static_cast<std::size_t>(t)]++;
-        out.run_extra[token_at++] = next;
-        next += r.splits - 1;
+        out.run_slot[token_at++] = out.token_slots[t].first + level[static_cast<std::size_t>(t)];
+        level[static_cast<std::size_t>(t)] += r.splits;
       });
       const std::int32_t seq = segments_[static_cast<std::size_t>(members_[static_cast<std::size_t>(r.member0)])].seq;
       out.runs[i] = SharedRun{seq, r.begin_page * kPagePositions, r.end_page * kPagePositions, token0, token_at - token0,

@@ -11,7 +11,7 @@
 //   ranges        RowRange [windows][max_write]   sequence layout only (reference kernel)
 //   shared        the step's shared prefixes (SharedWork, prefix_sharing.hpp), from a 16-byte
 //                 boundary: counts int32 [4], own_begin int32 [max_write], token_slots SlotRange
-//                 [max_write], runs SharedRun [max_runs], run_tokens, run_slot, run_extra int32
+//                 [max_write], runs SharedRun [max_runs], run_tokens, run_slot int32
 //                 [shared_slots], items SharedItem [shared_slots]    cell layout with the table kernels
 //   table writes  TableWrite [max_table_writes]   cell layout only; only the used ones are copied
 //
@@ -60,9 +60,9 @@ constexpr std::int32_t shared_slot_capacity(std::int32_t max_write) noexcept {
 struct StepBlockLayout {
   std::size_t cells = 0, read_len = 0, tokens = 0, num_segments = 0, token_seq = 0, token_pos = 0, segments = 0,
               work = 0, work_bytes = 0, ranges = 0, shared = 0, table_writes = 0, bytes = 0;
-  // Inside the shared part: counts, own_begin, token_slots, runs, run_tokens, run_slot, run_extra,
-  // items (the list at the top of this file).
-  std::size_t own_begin = 0, token_slots = 0, runs = 0, run_tokens = 0, run_slot = 0, run_extra = 0, items = 0;
+  // Inside the shared part: counts, own_begin, token_slots, runs, run_tokens, run_slot, items (the
+  // list at the top of this file).
+  std::size_t own_begin = 0, token_slots = 0, runs = 0, run_tokens = 0, run_slot = 0, items = 0;
 
   explicit StepBlockLayout(const StepBlockShape& s) {
     const auto w = static_cast<std::size_t>(s.max_write);
@@ -84,8 +84,7 @@ struct StepBlockLayout {
     runs = align16(token_slots + sizeof(SlotRange) * w);
     run_tokens = align16(runs + sizeof(SharedRun) * static_cast<std::size_t>(s.max_runs));
     run_slot = run_tokens + 4 * slots;
-    run_extra = run_slot + 4 * slots;
-    items = align16(run_extra + 4 * slots);
+    items = align16(run_slot + 4 * slots);
     const std::size_t shared_end = items + sizeof(SharedItem) * slots;
     table_writes = align16(s.shared_slots > 0 ? shared_end : shared);
     bytes = table_writes + sizeof(TableWrite) * static_cast<std::size_t>(s.max_table_writes);
@@ -95,10 +94,10 @@ struct StepBlockLayout {
   [[nodiscard]] SharedWork shared_at(std::byte* base, const StepBlockShape& s) const {
     if (s.shared_slots == 0) return {};
     auto ints = [&](std::size_t at) { return reinterpret_cast<std::int32_t*>(base + at); };
-    return SharedWork{ints(shared),    reinterpret_cast<SharedRun*>(base + runs),
-                      ints(run_tokens), ints(run_slot),
-                      ints(run_extra),  reinterpret_cast<SharedItem*>(base + items),
-                      ints(own_begin),  reinterpret_cast<SlotRange*>(base + token_slots)};
+    return SharedWork{ints(shared),          reinterpret_cast<SharedRun*>(base + runs),
+                      ints(run_tokens),       ints(run_slot),
+                      reinterpret_cast<SharedItem*>(base + items), ints(own_begin),
+                      reinterpret_cast<SlotRange*>(base + token_slots)};
   }
 
   // Window buffer b's work arrays inside a block at `base`.

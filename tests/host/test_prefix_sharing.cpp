@@ -26,17 +26,17 @@ constexpr std::int32_t kWindows[] = {0, 1, 40, 64, 150, 700};
 
 // The plan's arrays, owned.
 struct Plan {
-  std::vector<std::int32_t> counts = std::vector<std::int32_t>(3), run_tokens, run_slot, run_extra, own_begin;
+  std::vector<std::int32_t> counts = std::vector<std::int32_t>(3), run_tokens, run_slot, own_begin;
   std::vector<SharedRun> runs;
   std::vector<SharedItem> items;
   std::vector<SlotRange> token_slots;
   SharedWork view;
   Plan(std::int32_t max_write, const SharingShape& shape)
-      : run_tokens(static_cast<std::size_t>(shape.slots)), run_slot(run_tokens.size()), run_extra(run_tokens.size()),
+      : run_tokens(static_cast<std::size_t>(shape.slots)), run_slot(run_tokens.size()),
         own_begin(static_cast<std::size_t>(max_write)), runs(static_cast<std::size_t>(shape.max_runs)),
         items(run_tokens.size()), token_slots(static_cast<std::size_t>(max_write)) {
-    view = SharedWork{counts.data(), runs.data(),  run_tokens.data(), run_slot.data(),
-                      run_extra.data(), items.data(), own_begin.data(), token_slots.data()};
+    view = SharedWork{counts.data(), runs.data(),      run_tokens.data(),
+                      run_slot.data(), items.data(), own_begin.data(), token_slots.data()};
   }
 };
 
@@ -49,6 +49,7 @@ std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Pla
   REQUIRE(runs <= shape.max_runs);
   // token -> its runs (run index), from the run lists.
   std::vector<std::vector<std::int32_t>> runs_of(static_cast<std::size_t>(step.tokens));
+  std::vector<std::int32_t> slots_of(static_cast<std::size_t>(step.tokens), 0);  // every split of every run
   std::set<std::int32_t> slots_used;
   for (std::int32_t r = 0; r < runs; ++r) {
     const SharedRun& run = w.runs[r];
@@ -70,17 +71,19 @@ std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Pla
       std::int32_t differ = 0;
       for (std::int32_t p = run.begin; p < run.end; ++p) differ += table.cell(seq, p) != table.cell(run.seq, p);
       REQUIRE(differ == 0);
-      // Its slots: distinct from every other (token, run, split); split 0's inside the token's range.
+      // Its slots (split k: run_slot + k): distinct from every other (token, run, split), all
+      // inside the token's range, which the decode and prefill kernels fold whole.
       const SlotRange range = w.token_slots[t];
       const std::int32_t slot0 = w.run_slot[run.token0 + i];
-      CHECK(slot0 >= range.first);
-      CHECK(slot0 < range.first + range.count);
       for (std::int32_t k = 0; k < run.splits; ++k) {
-        const std::int32_t slot = k == 0 ? slot0 : w.run_extra[run.token0 + i] + k - 1;
+        const std::int32_t slot = slot0 + k;
+        CHECK(slot >= range.first);
+        CHECK(slot < range.first + range.count);
         CHECK(slot >= 0);
         CHECK(slot < shape.slots);
         CHECK(slots_used.insert(slot).second);
       }
+      slots_of[static_cast<std::size_t>(t)] += run.splits;
     }
     CHECK((seqs.size() >= 2 || run.tokens >= 2));  // a run is shared by two segments at least
     // Its splits partition its tiles.
@@ -93,9 +96,9 @@ std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Pla
     }
     CHECK(next == run.end / kSharedTile);
   }
-  // Token slot ranges hold exactly the split-0 slots of the token's runs.
+  // Token slot ranges hold exactly the slots of the token's runs, every split: nothing else is folded.
   for (std::int32_t t = 0; t < step.tokens; ++t)
-    CHECK(w.token_slots[t].count == static_cast<std::int32_t>(runs_of[static_cast<std::size_t>(t)].size()));
+    CHECK(w.token_slots[t].count == slots_of[static_cast<std::size_t>(t)]);
   CHECK(static_cast<std::int32_t>(slots_used.size()) <= shape.slots);
   // Items: every (run, split, row block) once; the splits of a (run, row block) consecutive.
   std::set<std::tuple<std::int32_t, std::int32_t, std::int32_t>> items;

@@ -16,7 +16,7 @@ namespace cellkv::gpu::kernels {
 // consumer kernels run. All null when the cache does not share (sequence layout).
 struct SharedFold {
   const std::int32_t* own_begin = nullptr;  // [segments] first position a segment reads itself
-  const SlotRange* token_slots = nullptr;   // [T] each token's partial slots
+  const SlotRange* token_slots = nullptr;   // [T] each token's partial slots: every split of every run
   const float* o = nullptr;                 // [slots][H_q][D] partial outputs, normalized
   const float* lse = nullptr;               // [slots][H_q] log2-sum-exp of the partial's scores (-inf: empty)
 

@@ -5,16 +5,15 @@
 // Per layer, on the caller's stream (capturable: grids depend on the cache's sizes only, and the
 // kernels read the step's work from the step block):
 //   shared_prefix_attention  the step's shared prefixes (cell layout), read once for all who share
-//                            them; partial results per token and KV split (prefix_sharing.hpp)
-//   merge_shared_splits      the splits of every (run, token) merged into one partial
+//                            them; partial results per token, run and KV split (prefix_sharing.hpp)
 //   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
 //   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together
-// The last two fold the shared partials into their outputs. Outside graph capture a kernel with no
+// The last two fold the shared partials (every split of every run of a token) into their outputs. Outside graph capture a kernel with no
 // work in the uploaded step is not launched at all. On sm_90 and later every one of them is a
 // dependent launch (kernels/dependent_launch.cuh): it is scheduled while the kernel before it
 // finishes, reads the step's plan (work, segments, position tables) and waits for that kernel
-// before it reads q or the pool; the shared-prefix, merge and prefill kernels wait as they start,
-// the decode kernel after its first table reads.
+// before it reads q or the pool; the shared-prefix and prefill kernels wait as they start, the
+// decode kernel after its first table reads.
 //
 // Supported, written out: element types __nv_bfloat16 and __half (fp32 accumulation) and fp8
 // storage of either (gpu::Fp8<In>: E4M3 codes with a scale per row-head; decode converts codes to
@@ -170,9 +169,6 @@ class TableAttention {
       constexpr int D = decltype(d)::value;
       if (sharing && (any || work.shared > 0)) {  // before both: they fold its partials in
         if (const Status s = launch_shared<D>(shared, stream.get()); !s.ok()) return s;
-        CELLKV_CUDA_STATUS(launch_dependent(dependent_, kernels::merge_shared_splits<D>, merge_grid_,
-                                            kernels::kMergeThreads<D>, 0, stream.get(),
-                                            kernels::MergeArgs{b.shared, shared_o_.data(), shared_lse_.data(), shape_.heads_q}));
       }
       if (prefill && decode) {  // fork: prefill on the side stream, decode here, then join
         if (const Status s = fork_.record(stream); !s.ok()) return s;
@@ -206,7 +202,6 @@ class TableAttention {
     int shared_blocks = 0;
     CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shared_blocks, shared, kernels::kPrefillThreads, pre_smem));
     shared_grid_ = sms * (shared_blocks > 0 ? shared_blocks : 1);
-    merge_grid_ = sms * 8;
     slots_ = 2 * decode_grid_ * kDec<D>.warps;  // two partial slots per decode worker
     return {};
   }
@@ -244,7 +239,7 @@ class TableAttention {
 
   TableShape shape_;
   bool dependent_ = dependent_launch_supported();  // the layer's kernels as dependent launches (sm_90+)
-  int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0, merge_grid_ = 0;
+  int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0;
   std::int32_t slots_ = 0;
   DeviceBuffer<float> partial_o_, partial_lse_;
   DeviceBuffer<std::int32_t> merge_counts_;
