@@ -125,7 +125,7 @@ std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Pla
   CHECK(w.item_count() <= shape.slots);
   std::int32_t run_tokens = 0;
   for (std::int32_t r = 0; r < runs; ++r) {
-    CHECK(w.runs[r].token0 == run_tokens);  // runs list their tokens in order (the merge kernel searches them)
+    CHECK(w.runs[r].token0 == run_tokens);  // runs list their tokens in order
     run_tokens += w.runs[r].tokens;
   }
   CHECK(w.run_token_count() == run_tokens);

@@ -8,11 +8,13 @@
 // rely on the whole chain having completed. Before the wait it may only touch memory no earlier
 // kernel of the stream changes (weights, for example).
 //
-// cellkv's kernels of a layer (write_kv, and the table attention's shared-prefix, merge, decode and
+// cellkv's kernels of a layer (write_kv, and the table attention's shared-prefix, decode and
 // prefill kernels) are dependent launches on sm_90 and later and follow these rules; they and the
 // reference kernel call allow_dependent_grids() as they start, so a model kernel launched with
 // launch_dependent() after them can be resident and fetch its weights while cellkv's attention
-// runs. Both device calls are no-ops below sm_90 and for kernels launched the ordinary way.
+// runs. Both device calls are no-ops below sm_90 and for kernels launched the ordinary way; a
+// kernel whose code was compiled for an older architecture (PTX JIT-compiled on a newer device)
+// has no wait in it, so it is launched the ordinary way (dependent_launch_supported(kernel)).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -48,6 +50,19 @@ inline bool dependent_launch_supported() {
   return major >= 9;
 }
 
+// Whether `kernel`, as loaded for the current device, may be launched as a dependent: the device is
+// sm_90 or later and the kernel was compiled for compute_90 or later (so its wait is in it).
+template <class... Params>
+bool dependent_launch_supported(void (*kernel)(Params...)) {
+  if (!dependent_launch_supported()) return false;
+  cudaFuncAttributes attributes{};
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a sticky error: the launch itself reports anything real
+    return false;
+  }
+  return attributes.ptxVersion >= 90;
+}
+
 // Launches kernel<<<grid, block, smem, stream>>>(args...), as a dependent launch when `dependent`
 // (the kernel must then call kernels::wait_for_prior_grids() as described above). Capturable: a
 // captured dependent launch becomes a programmatic edge of the graph.
@@ -64,7 +79,9 @@ cudaError_t launch_dependent(bool dependent, void (*kernel)(Params...), dim3 gri
   config.stream = stream;
   config.attrs = &attribute;
   config.numAttrs = dependent ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  const cudaError_t e = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (e != cudaSuccess) (void)cudaGetLastError();  // reported here, not again by a later launch's check
+  return e;
 }
 
 }  // namespace cellkv::gpu

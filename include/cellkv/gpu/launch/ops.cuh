@@ -103,8 +103,9 @@ Status write_kv(PoolView<T> pool, const T* k, const T* v, const std::int64_t* ce
   if (k == nullptr || v == nullptr || cells == nullptr) return Errc::bad_argument;
   if (!detail::aligned16(k) || !detail::aligned16(v)) return Errc::misaligned_pointer;
   const unsigned blocks = detail::write_kv_blocks(tokens, pool.row_elems() * static_cast<std::int64_t>(sizeof(T)));
-  CELLKV_CUDA_STATUS(launch_dependent(dependent_launch_supported(), kernels::write_kv<T>, blocks, 256, 0, stream.get(),
-                                      pool, k, v, cells, tokens, fault));
+  auto* kernel = kernels::write_kv<T>;
+  CELLKV_CUDA_STATUS(
+      launch_dependent(dependent_launch_supported(kernel), kernel, blocks, 256, 0, stream.get(), pool, k, v, cells, tokens, fault));
   return {};
 }
 
@@ -120,8 +121,9 @@ Status write_kv(Fp8PoolView<Fp8E4M3> pool, const T* k, const T* v, const std::in
   const std::int64_t warps = 2 * static_cast<std::int64_t>(tokens) * pool.heads_kv;
   const auto blocks = static_cast<unsigned>(std::clamp<std::int64_t>((warps + 7) / 8, 1, 4096));
   return dispatch_head_dim(pool.head_dim, [&](auto d) {
-    CELLKV_CUDA_STATUS(launch_dependent(dependent_launch_supported(), kernels::write_kv_fp8<decltype(d)::value, T>,
-                                        blocks, 256, 0, stream.get(), pool, k, v, cells, tokens, fault));
+    auto* kernel = kernels::write_kv_fp8<decltype(d)::value, T>;
+    CELLKV_CUDA_STATUS(launch_dependent(dependent_launch_supported(kernel), kernel, blocks, 256, 0, stream.get(), pool, k,
+                                        v, cells, tokens, fault));
     return Status{};
   });
 }
