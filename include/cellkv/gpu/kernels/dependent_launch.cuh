@@ -12,9 +12,10 @@
 // prefill kernels) are dependent launches on sm_90 and later and follow these rules; they and the
 // reference kernel call allow_dependent_grids() as they start, so a model kernel launched with
 // launch_dependent() after them can be resident and fetch its weights while cellkv's attention
-// runs. Both device calls are no-ops below sm_90 and for kernels launched the ordinary way; a
-// kernel whose code was compiled for an older architecture (PTX JIT-compiled on a newer device)
-// has no wait in it, so it is launched the ordinary way (dependent_launch_supported(kernel)).
+// runs. Both device calls are no-ops below sm_90 and for kernels launched the ordinary way. So
+// cellkv's kernels must be compiled for compute_90 or later to run on an sm_90 device (the
+// project's builds are: gpu_arch 90 gives sm_90 code): PTX of an older architecture JIT-compiled
+// there would be launched as a dependent without its wait.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -48,19 +49,6 @@ inline bool dependent_launch_supported() {
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) return false;
   return major >= 9;
-}
-
-// Whether `kernel`, as loaded for the current device, may be launched as a dependent: the device is
-// sm_90 or later and the kernel was compiled for compute_90 or later (so its wait is in it).
-template <class... Params>
-bool dependent_launch_supported(void (*kernel)(Params...)) {
-  if (!dependent_launch_supported()) return false;
-  cudaFuncAttributes attributes{};
-  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
-    (void)cudaGetLastError();  // not a sticky error: the launch itself reports anything real
-    return false;
-  }
-  return attributes.ptxVersion >= 90;
 }
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...), as a dependent launch when `dependent`

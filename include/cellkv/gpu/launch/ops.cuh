@@ -105,7 +105,7 @@ Status write_kv(PoolView<T> pool, const T* k, const T* v, const std::int64_t* ce
   const unsigned blocks = detail::write_kv_blocks(tokens, pool.row_elems() * static_cast<std::int64_t>(sizeof(T)));
   auto* kernel = kernels::write_kv<T>;
   CELLKV_CUDA_STATUS(
-      launch_dependent(dependent_launch_supported(kernel), kernel, blocks, 256, 0, stream.get(), pool, k, v, cells, tokens, fault));
+      launch_dependent(dependent_launch_supported(), kernel, blocks, 256, 0, stream.get(), pool, k, v, cells, tokens, fault));
   return {};
 }
 
@@ -122,7 +122,7 @@ Status write_kv(Fp8PoolView<Fp8E4M3> pool, const T* k, const T* v, const std::in
   const auto blocks = static_cast<unsigned>(std::clamp<std::int64_t>((warps + 7) / 8, 1, 4096));
   return dispatch_head_dim(pool.head_dim, [&](auto d) {
     auto* kernel = kernels::write_kv_fp8<decltype(d)::value, T>;
-    CELLKV_CUDA_STATUS(launch_dependent(dependent_launch_supported(kernel), kernel, blocks, 256, 0, stream.get(), pool, k,
+    CELLKV_CUDA_STATUS(launch_dependent(dependent_launch_supported(), kernel, blocks, 256, 0, stream.get(), pool, k,
                                         v, cells, tokens, fault));
     return Status{};
   });

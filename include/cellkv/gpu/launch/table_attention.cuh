@@ -10,10 +10,10 @@
 //   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together
 // The last two fold the shared partials (every split of every run of a token) into their outputs.
 // Outside graph capture a kernel with no work in the uploaded step is not launched at all. On sm_90
-// and later every one of them is a dependent launch (kernels/dependent_launch.cuh): it is scheduled while the kernel before it
-// finishes, reads the step's plan (work, segments, position tables) and waits for that kernel
-// before it reads q or the pool; the shared-prefix and prefill kernels wait as they start, the
-// decode kernel after its first table reads.
+// and later every one of them is a dependent launch (kernels/dependent_launch.cuh): it is scheduled
+// while the kernel before it finishes, reads the step's plan (work, segments, position tables) and
+// waits for that kernel before it reads q or the pool; the shared-prefix and prefill kernels wait
+// as they start, the decode kernel after its first table reads.
 //
 // Supported, written out: element types __nv_bfloat16 and __half (fp32 accumulation) and fp8
 // storage of either (gpu::Fp8<In>: E4M3 codes with a scale per row-head; decode converts codes to
@@ -188,7 +188,6 @@ class TableAttention {
   Status size_grids(int sms) {
     auto* dec = kernels::decode_attention<In, D, kDec<D>.stages, kDec<D>.warps, Rows, S>;
     auto* pre = kernels::prefill_attention<In, D, kPrefillStages<D>, Rows, S>;
-    dependent_ = dependent_launch_supported(dec);  // the layer's kernels are compiled together
     constexpr int dec_smem = kDecSmem<D>;
     constexpr int pre_smem = kPreSmem<D>;
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(dec, cudaFuncAttributeMaxDynamicSharedMemorySize, dec_smem));
@@ -239,7 +238,7 @@ class TableAttention {
   }
 
   TableShape shape_;
-  bool dependent_ = false;  // the layer's kernels as dependent launches (sm_90+, size_grids)
+  bool dependent_ = dependent_launch_supported();  // the layer's kernels as dependent launches (sm_90+)
   int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0;
   std::int32_t slots_ = 0;
   DeviceBuffer<float> partial_o_, partial_lse_;
