@@ -35,6 +35,8 @@ class GpuLlama {
     if (const cellkv::Status s = cache.set_key_rotation(Rotation::rope(rope_spec(c))); !s.ok())
       throw std::invalid_argument("llama::GpuLlama: the cache refused the model's key rotation (" +
                                   std::string(s.message()) + ")");
+    cache.set_graph_scope(options.graph_per_step_kinds ? cellkv::gpu::GraphScope::step_kinds
+                                                       : cellkv::gpu::GraphScope::every_step);
   }
 
   [[nodiscard]] std::int32_t vocab() const { return c_.vocab; }

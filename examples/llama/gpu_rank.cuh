@@ -15,10 +15,11 @@
 //    RMSNorm, RoPE/split and SwiGLU kernels between them.
 //
 // CUDA graphs: a step of T tokens runs at width 1 (T == 1) or the next power of two >= T up to
-// max_graph_width; each width is captured once (the forward reads only fixed-address buffers: the
-// step block of token ids, positions, deferred-id sources and sampling rows, the ids sampled by the
-// previous step, the cache's step buffers), then replayed for every later step of that width,
-// whatever the mix of sessions. Padding rows write the pool's scratch row and see nothing; their
+// max_graph_width; each width and kind of step (the cache's graph_key(): which attention kernels
+// the step needs, GpuOptions::graph_per_step_kinds) is captured once (the forward reads only
+// fixed-address buffers: the step block of token ids, positions, deferred-id sources and sampling
+// rows, the ids sampled by the previous step, the cache's step buffers), then replayed for every
+// later step of that width and kind, whatever the mix of sessions. Padding rows write the pool's scratch row and see nothing; their
 // outputs are never read. Wider steps, and every step when the all-reduce cannot be captured, run
 // eagerly.
 //
@@ -71,6 +72,10 @@ struct GpuOptions {
   // cellkv/gpu/kernels/dependent_launch.cuh): each is scheduled while the kernel before it still
   // runs, and the GEMVs fetch their weights then.
   bool dependent_launch = true;
+  // One graph per width and kind of step (cellkv::gpu::GraphScope::step_kinds, set on the cache by
+  // GpuLlama / TpLlama): a decode-only step replays a graph without the prefill and shared-prefix
+  // launches. Off: one graph per width serves every step (GraphScope::every_step).
+  bool graph_per_step_kinds = true;
 };
 
 struct GraphStats {
@@ -274,13 +279,14 @@ class GpuRank {
       return forward_and_sample(width);
     }
     auto& graphs = graphs_[options_.profile ? 1 : 0];
-    auto it = graphs.find(width);
+    const GraphKey key{width, attention_.graph_key().bits};
+    auto it = graphs.find(key);
     if (it == graphs.end()) {
       cellkv::Status inside;
       cellkv::gpu::GraphExec g =
           cellkv::gpu::capture(::cuda::stream_ref(stream_), [&] { inside = forward_and_sample(width); });
       if (!inside.ok()) return inside;
-      it = graphs.emplace(width, std::move(g)).first;
+      it = graphs.emplace(key, std::move(g)).first;
       ++stats_.captures;
     }
     ++stats_.replays;
@@ -573,7 +579,10 @@ class GpuRank {
   std::array<std::int32_t, kSlots> counts_{};
   std::int32_t last_samples_ = 0;  // sampled rows of the last step enqueued
   std::uint64_t head_ = 0, next_ = 0;  // steps retired, steps enqueued
-  std::array<std::map<std::int32_t, cellkv::gpu::GraphExec>, 2> graphs_;  // by width: with the sampler, without
+  // A graph serves the steps of its width whose attention needs the same kernels (the cache's
+  // graph_key(): always every kernel unless the cache's GraphScope is step_kinds).
+  using GraphKey = std::pair<std::int32_t, std::uint32_t>;
+  std::array<std::map<GraphKey, cellkv::gpu::GraphExec>, 2> graphs_;  // with the sampler, without
   GraphStats stats_;
   PhaseTimes phases_;
 };

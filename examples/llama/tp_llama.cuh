@@ -70,6 +70,8 @@ class TpLlama {
       throw std::invalid_argument("llama::TpLlama: the cache refused the model's key rotation (" +
                                   std::string(s.message()) + ")");
     }
+    cache.set_graph_scope(options.graph_per_step_kinds ? cellkv::gpu::GraphScope::step_kinds
+                                                       : cellkv::gpu::GraphScope::every_step);
   }
   TpLlama(const TpLlama&) = delete;
   TpLlama& operator=(const TpLlama&) = delete;

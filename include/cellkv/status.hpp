@@ -56,6 +56,7 @@ enum class Errc : std::uint8_t {
   rows_pending,        // a device save/restore before the device holds a sequence's rows (gpu/sequence_state.cuh)
   upload_incomplete,   // a verb that could change the pending copies or re-rotations while a device
                        // applied part of them (a failed or partial upload)
+  missing_step_kernels,  // a replayed graph lacks an attention kernel the step needs (gpu/graph_scope.hpp)
 };
 
 [[nodiscard]] constexpr std::string_view describe(Errc e) noexcept {
@@ -108,6 +109,9 @@ enum class Errc : std::uint8_t {
     case Errc::upload_incomplete:
       return "upload incomplete: a device applied part of the pending copies and key re-rotations (a failed or partial "
              "upload); upload the placed step on every device before a verb that could change them";
+    case Errc::missing_step_kernels:
+      return "missing step kernels: a replayed graph was captured (GraphScope::step_kinds) without an attention "
+             "kernel this step needs, so its attention was not computed; replay the graph of the step's graph_key()";
   }
   return "unknown status";
 }

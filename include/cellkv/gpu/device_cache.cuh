@@ -29,8 +29,8 @@ namespace cellkv::gpu {
 // Planning verbs (declare_step, seq_new, seq_clone, seq_rm, rewind, clear, the sequence edits,
 // restore_positions, host()) from PlanningVerbs; device verbs and state (upload, write, attend,
 // update_and_attend, commit, set_key_rotation, holds_applied_changes, pool(), bindings(), mask(),
-// width(), runs_table_kernels(), use_kernels(), share_prefixes(), work_counts(), footprint()) from
-// DeviceShard.
+// width(), runs_table_kernels(), use_kernels(), share_prefixes(), set_graph_scope(),
+// step_kernels(), graph_key(), work_counts(), footprint()) from DeviceShard.
 template <Layout L, KvElement T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>
 class DeviceCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, DeviceCache<L, T, W, P, MaxSeqs>>,
                     public DeviceShard<L, T, W, P, MaxSeqs> {

@@ -38,6 +38,7 @@
 #include "cellkv/gpu/launch/step.cuh"
 #include "cellkv/gpu/launch/table_attention.cuh"
 #include "cellkv/gpu/step_buffers.hpp"
+#include "cellkv/gpu/graph_scope.hpp"
 #include "cellkv/footprint.hpp"
 #include "cellkv/step_block.hpp"
 
@@ -108,6 +109,19 @@ class DeviceShard {
   // Whether later uploads look for prefixes that sequences of the step share (cell layout, table
   // kernels), so each shared tile is read once per step (on by default; off for comparisons).
   void share_prefixes(bool on) noexcept { share_prefixes_ = on; }
+  // What a CUDA graph captured over later forwards records (graph_scope.hpp): every attention
+  // kernel (GraphScope::every_step, the default: one graph per width), or only those the captured
+  // step needs (GraphScope::step_kinds: one graph per width and graph_key()). Applies from the next
+  // upload.
+  void set_graph_scope(GraphScope scope) noexcept { scope_ = scope; }
+  // The attention kernels the uploaded step needs, over all its windows (table kernels; every
+  // kernel on the reference kernel's path, which has one launch whatever the step).
+  [[nodiscard]] StepKernels step_kernels() const noexcept { return step_kernels_; }
+  // The attention kernels a capture of a forward over the uploaded step records: the key of the
+  // graph that serves this step, besides its width.
+  [[nodiscard]] StepKernels graph_key() const noexcept {
+    return scope_ == GraphScope::every_step ? StepKernels::all() : step_kernels_;
+  }
   // Bytes of the step block the kernels read (the table writes staged behind them excluded).
   [[nodiscard]] std::size_t step_block_bytes() const noexcept { return buffers_.layout().table_writes; }
   // Serial of the last step this shard uploaded (0: none).
@@ -158,10 +172,15 @@ class DeviceShard {
     return applied_.epoch == host_.changes_epoch() && applied_.copies && !(p.copies.empty() && p.rotations.empty());
   }
 
-  // Reports (Errc::bad_device_row) and clears a fault device code set since the last report: a
-  // write_kv of this shard met a row outside the pool (docs/design.md section 5).
+  // Reports and clears the faults device code set since the last report (docs/design.md section
+  // 5): a write_kv of this shard met a row outside the pool (Errc::bad_device_row), or a replayed
+  // graph lacked an attention kernel its step needed (Errc::missing_step_kernels); the first when
+  // both.
   [[nodiscard]] Status take_device_fault() noexcept {
-    return (buffers_.take_fault() & kFaultBadRow) != 0 ? Status{Errc::bad_device_row} : Status{};
+    const std::uint32_t faults = buffers_.take_fault();
+    if ((faults & kFaultBadRow) != 0) return Errc::bad_device_row;
+    if ((faults & kFaultMissingKernel) != 0) return Errc::missing_step_kernels;
+    return {};
   }
 
   // Uploads the host's placed step padded to `width` tokens (0: exactly T): runs the pending row
@@ -310,8 +329,8 @@ class DeviceShard {
     if constexpr (kTableKernelElement<T>)
       if (uploaded_table_kernels_)
         return table_->attend(buffer, W::kDistinctWindows[static_cast<std::size_t>(buffer)], q, out, const_view(layer),
-                              rows(), bindings(), tokens_, tokens, counts_[static_cast<std::size_t>(buffer)], scale,
-                              stream);
+                              rows(), bindings(), tokens_, tokens, counts_[static_cast<std::size_t>(buffer)],
+                              graph_key(), scale, stream);
     const AttentionArgs<In, StoredOf<T>> a{q, const_view(layer), out, tokens, heads_q, scale};
     if constexpr (kTable) return masked_sdpa(a, mask(buffer), bindings().max_cells, bindings().read_len, stream);
     else return range_sdpa(a, bindings().ranges_of(buffer), bindings().read_len, stream);
@@ -384,12 +403,15 @@ class DeviceShard {
     for (std::int32_t t = plan.tokens; t < width; ++t) cells[t] = pool_.scratch_row(), seq[t] = -1, pos[t] = 0;
     const SharedWork shared = lay.shared_at(block, buffers_.shape());
     const std::int32_t shared_items = runs_table_kernels() ? plan_sharing(plan, shared) : 0;
+    step_kernels_ = runs_table_kernels() ? StepKernels{} : StepKernels::all();
     for (std::int32_t b = 0; b < W::kDistinct; ++b) {
       const std::int32_t window = W::kDistinctWindows[static_cast<std::size_t>(b)];
       if (runs_table_kernels()) {
         const WindowWork work = lay.work_at(block, b, host_.max_write());
         plan_window(plan.segments, shared.own_begin, window, plan_shape(), work);
         counts_[static_cast<std::size_t>(b)] = WorkCounts{work.decode_count(), work.prefill_count(), shared_items};
+        step_kernels_ = step_kernels_ |
+                        needed_kernels(work.decode_count(), work.prefill_count(), plan.tokens < width, shared_items);
       } else if constexpr (!kTable) {
         auto* ranges = reinterpret_cast<RowRange*>(block + lay.ranges) + b * host_.max_write();
         for (std::int32_t t = 0; t < width; ++t) ranges[t] = t < plan.tokens ? host_.visible_range(t, window).value_or(RowRange{}) : RowRange{};
@@ -472,6 +494,8 @@ class DeviceShard {
   DeviceBuffer<RowRotation> rotation_list_;  // kBatch entries once a rotation ran
   std::optional<TableKernels> table_;
   std::array<WorkCounts, kMaxWindows> counts_{};  // work of each window in the uploaded step
+  StepKernels step_kernels_ = StepKernels::all();  // what the uploaded step needs (step_kernels())
+  GraphScope scope_ = GraphScope::every_step;
   KernelChoice choice_ = KernelChoice::automatic;
   bool share_prefixes_ = true;
   SharingPlanner planner_;

@@ -119,6 +119,11 @@ class ShardedCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, ShardedCach
   void use_kernels(KernelChoice choice) noexcept {
     for (auto& s : shards_) s->use_kernels(choice);
   }
+  // What graphs captured over later forwards record, on every shard (DeviceShard::set_graph_scope);
+  // every shard uploads the same step, so their graph_key() agree.
+  void set_graph_scope(GraphScope scope) noexcept {
+    for (auto& s : shards_) s->set_graph_scope(scope);
+  }
   // The key rotation of every shard (DeviceShard::set_key_rotation); refused for all or none.
   Status set_key_rotation(const KeyRotation<T>& rotation) {
     if (const Status s = rotation.check(model_.layers, model_.head_dim); !s.ok()) return s;

@@ -7,9 +7,10 @@
 // Staging is double-buffered: the next upload fills the other slot while the previous copy may
 // still be in flight.
 //
-// The fault word: one word of mapped pinned host memory that device code sets when it meets a bad
-// index (kFaultBadRow: write_kv met a row outside the pool). The host reads it without a copy or a
-// synchronisation; take_fault() reports and clears it (docs/design.md section 5).
+// The fault words: kFaultWords words of mapped pinned host memory that device code sets when it
+// meets a bad index (kFaultBadRow: write_kv met a row outside the pool) or a replayed graph lacks a
+// kernel the step needs (kFaultMissingKernel, graph_scope.hpp). The host reads them without a copy
+// or a synchronisation; take_fault() reports and clears them (docs/design.md section 5).
 #pragma once
 
 #include <atomic>
@@ -87,11 +88,15 @@ class StepBuffers {
     next_ ^= 1;
     return slots_[next_ ^ 1];
   }
-  // The faults device code reported since the last call (kFault* bits), cleared. A fault set by
-  // work still running may show at a later call.
+  // The faults device code reported since the last call (kFault* bits of every word), cleared. A
+  // fault set by work still running may show at a later call.
   [[nodiscard]] std::uint32_t take_fault() noexcept {
-    std::atomic_ref<std::uint32_t> word(*fault_.data());
-    return word.load(std::memory_order_acquire) == 0 ? 0 : word.exchange(0, std::memory_order_acq_rel);
+    std::uint32_t faults = 0;
+    for (int i = 0; i < kFaultWords; ++i) {
+      std::atomic_ref<std::uint32_t> word(fault_.data()[i]);
+      if (word.load(std::memory_order_acquire) != 0) faults |= word.exchange(0, std::memory_order_acq_rel);
+    }
+    return faults;
   }
 
   // Blocks until every copy that read staging memory is done (destruction, tests).
@@ -107,7 +112,7 @@ class StepBuffers {
   DeviceBuffer<std::byte> block_;
   DeviceBuffer<std::int32_t> table_;  // the position table's device copy (cell layout)
   Slot slots_[2];
-  MappedBuffer<std::uint32_t> fault_{1};  // the fault word
+  MappedBuffer<std::uint32_t> fault_{kFaultWords};  // the fault words
   int next_ = 0;
   StepBindings b_;
 };

@@ -13,7 +13,8 @@
 //   shared     SharedWork: the step's shared-prefix runs, items, partial slots (cell layout)
 //   table      the position table (cell layout; PositionTableView)
 //   masks      bool [windows][max_write][max_cells] mask_w{W} = masks + buffer * max_write * max_cells
-//   fault      uint32 [1], mapped host memory   kFault* bits set by device code (step_buffers.hpp)
+//   fault      uint32 [kFaultWords], mapped host memory: word i holds the faults of reporter i
+//              (kFault* bits, set by device code; step_buffers.hpp)
 #pragma once
 
 #include <cstdint>
@@ -28,8 +29,11 @@ namespace cellkv::gpu {
 
 inline constexpr std::int32_t kMaxWindows = 8;
 
-// Bits of the fault word.
-inline constexpr std::uint32_t kFaultBadRow = 1;  // write_kv met a row outside [0, rows]
+// Bits of the fault words. Each reporter stores into its own word (a plain store, no atomics on
+// mapped host memory), so one fault never overwrites another.
+inline constexpr std::uint32_t kFaultBadRow = 1;         // word 0: write_kv met a row outside [0, rows]
+inline constexpr std::uint32_t kFaultMissingKernel = 2;  // word 1: a replayed graph lacks a kernel the step needs
+inline constexpr int kFaultWords = 2;
 
 // The distinct windows of a window set, by buffer index, passed to kernels by value.
 struct WindowList {
@@ -50,7 +54,7 @@ struct StepBindings {
   PositionTableView table;      // cell layout
   std::int32_t* table_flat = nullptr;  // the table's flat array (directory, then pages)
   bool* masks = nullptr;        // cell layout; nullptr until a caller asks for masks
-  std::uint32_t* fault = nullptr;  // the fault word (device address of mapped host memory)
+  std::uint32_t* fault = nullptr;  // the fault words (device address of mapped host memory)
   std::int32_t max_write = 0;
   std::int64_t max_cells = 0;  // mask row stride; 0 for the sequence layout
   std::int32_t windows = 0;

@@ -718,6 +718,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   const std::int32_t tokens = *a.tokens;
   auto begin_writes = [&] {  // once per thread, before it reads q or the pool or writes out
     wait_for_prior_grids();
+    a.guard.check(a.work);
     zero_padding_rows<T, D>(a, tokens);
   };
   if (n == 0) return begin_writes();

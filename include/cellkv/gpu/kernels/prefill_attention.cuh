@@ -341,6 +341,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(PrefillArgs
   __shared__ int ids[2][kPrefillTile];
   allow_dependent_grids();
   wait_for_prior_grids();
+  a.guard.check(a.work);
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
   const int items = a.work.prefill_count() * heads_kv;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {

@@ -87,6 +87,7 @@ __global__ void __launch_bounds__(kPrefillThreads) shared_prefix_attention(Share
   __shared__ int bounds[2];
   allow_dependent_grids();
   wait_for_prior_grids();
+  a.guard.check(a.work);
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
   const int items = a.sharing.item_count() * heads_kv;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {

@@ -40,6 +40,7 @@
 #include "cellkv/gpu/kv_views.hpp"
 #include "cellkv/gpu/launch/dispatch.cuh"
 #include "cellkv/gpu/memory.hpp"
+#include "cellkv/gpu/graph_scope.hpp"
 #include "cellkv/gpu/step_views.hpp"
 #include "cellkv/gpu/stream.hpp"
 
@@ -146,28 +147,34 @@ class TableAttention {
   }
 
   // One layer's attention through window buffer `buffer` of window `window`: q, out [width, H_q, D];
-  // padding rows [T, width) of out become zeros. scale 0 means 1 / sqrt(D).
+  // padding rows [T, width) of out become zeros. scale 0 means 1 / sqrt(D). Launches the kernels
+  // the step needs (`work`); inside a stream capture, those of `graph` (graph_scope.hpp), and when
+  // that is not every kernel, the launches check on the device that the replayed step needs no other.
   Status attend(std::int32_t buffer, std::int32_t window, const In* q, In* out, ReadView<S> pool, const Rows& rows,
-                const StepBindings& b, std::int32_t tokens, std::int32_t width, WorkCounts work, float scale,
-                ::cuda::stream_ref stream) const {
+                const StepBindings& b, std::int32_t tokens, std::int32_t width, WorkCounts work, StepKernels graph,
+                float scale, ::cuda::stream_ref stream) const {
     if (scale == 0.f) scale = 1.f / std::sqrt(static_cast<float>(shape_.head_dim));
     const float scale_log2 = scale * kernels::kLog2e;
     const bool sharing = shape_.shared_slots > 0 && b.shared.counts != nullptr;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    CELLKV_CUDA_STATUS(cudaStreamIsCapturing(stream.get(), &capture));
+    const StepKernels launched = capture != cudaStreamCaptureStatusNone
+                                     ? graph
+                                     : needed_kernels(work.decode, work.prefill, width > tokens, work.shared);
     const kernels::SharedFold fold = sharing ? kernels::SharedFold{b.shared.own_begin, b.shared.token_slots,
                                                                    shared_o_.data(), shared_lse_.data()}
                                              : kernels::SharedFold{};
-    const kernels::PrefillArgs<In, Rows, S> pre{q,      out,        pool,       rows, shape_.heads_q, scale_log2,
-                                            window, b.segments, b.work[buffer], fold};
+    const kernels::LaunchGuard guard{capture != cudaStreamCaptureStatusNone ? graph : StepKernels::all(),
+                                     b.fault + 1, b.tokens, width, sharing ? b.shared.counts : nullptr};
+    const kernels::PrefillArgs<In, Rows, S> pre{q,      out,        pool,           rows, shape_.heads_q, scale_log2,
+                                                window, b.segments, b.work[buffer], fold, guard};
     const kernels::DecodeArgs<In, Rows, S> dec{pre, b.tokens, width, partial_o_.data(), partial_lse_.data(),
-                                           merge_counts_.data(), slots_};
+                                               merge_counts_.data(), slots_};
     const kernels::SharedArgs<In, Rows, S> shared{pre, b.shared, b.token_pos, shared_o_.data(), shared_lse_.data()};
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    CELLKV_CUDA_STATUS(cudaStreamIsCapturing(stream.get(), &capture));
-    const bool any = capture != cudaStreamCaptureStatusNone;
-    const bool prefill = any || work.prefill > 0, decode = any || work.decode > 0 || width > tokens;
+    const bool prefill = launched.has(StepKernels::kPrefill), decode = launched.has(StepKernels::kDecode);
     return dispatch_head_dim(shape_.head_dim, [&](auto d) -> Status {
       constexpr int D = decltype(d)::value;
-      if (sharing && (any || work.shared > 0)) {  // before both: they fold its partials in
+      if (sharing && launched.has(StepKernels::kShared)) {  // before both: they fold its partials in
         if (const Status s = launch_shared<D>(shared, stream.get()); !s.ok()) return s;
       }
       if (prefill && decode) {  // fork: prefill on the side stream, decode here, then join
@@ -178,7 +185,9 @@ class TableAttention {
         if (const Status s = launch_decode<D>(dec, stream.get()); !s.ok()) return s;
         return join_.wait_on(stream);
       }
-      return prefill ? launch_prefill<D>(pre, stream.get(), dependent_) : launch_decode<D>(dec, stream.get());
+      if (prefill) return launch_prefill<D>(pre, stream.get(), dependent_);
+      if (decode) return launch_decode<D>(dec, stream.get());
+      return Status{};
     });
   }
 
