@@ -78,51 +78,16 @@ struct alignas(2 * sizeof(T)) Pair {
   T first, second;
 };
 
-// qkv [rows, q_w + 2 kv_w] -> q, k (rotated), v. Grid (ceil(n / 2 / 128), rows), 128 threads:
-// one thread per column pair.
-inline constexpr int kRopeThreads = 128;
-template <class T>
-__global__ void rope_split(const T* qkv, T* q, T* k, T* v, const std::int32_t* positions, std::int32_t q_w,
-                           std::int32_t kv_w, std::int32_t head_dim, float theta) {
-  cellkv::gpu::kernels::allow_dependent_grids();
-  cellkv::gpu::kernels::wait_for_prior_grids();
-  const std::int32_t n = q_w + 2 * kv_w, row = static_cast<std::int32_t>(blockIdx.y);
-  const std::int32_t c = 2 * static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
-  if (c >= n) return;
-  const Pair<T> p = reinterpret_cast<const Pair<T>*>(qkv + static_cast<std::int64_t>(row) * n)[c / 2];
-  store_qkv_pair(cellkv::gpu::to_float(p.first), cellkv::gpu::to_float(p.second), c, row, q, k, v, positions, q_w, kv_w,
-                 head_dim, theta);
-}
-
-// a[r, j] = silu(h13[r, 2j]) * h13[r, 2j + 1] for j < ffn: the SwiGLU of the interleaved W13 output.
-// Grid (ceil(ffn / 256), rows), 256 threads: one thread per output.
-inline constexpr int kSwigluThreads = 256;
-template <class T>
-__global__ void swiglu_pairs(const T* h13, T* a, std::int32_t ffn) {
-  cellkv::gpu::kernels::allow_dependent_grids();
-  cellkv::gpu::kernels::wait_for_prior_grids();
-  const std::int64_t row = blockIdx.y;
-  const std::int32_t j = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
-  if (j >= ffn) return;
-  const Pair<T> p = reinterpret_cast<const Pair<T>*>(h13 + row * 2 * ffn)[j];
-  const float g = cellkv::gpu::to_float(p.first);
-  a[row * ffn + j] = cellkv::gpu::from_float<T>(g / (1.f + __expf(-g)) * cellkv::gpu::to_float(p.second));
-}
-
-// y[row] = x[row] / rms(x[row]) * gain; one block of kNormThreads threads per row. The sum of
-// squares: per thread over its elements, then per warp (butterfly), then the warps' sums in warp
-// order, so a row's result does not depend on the other rows.
-inline constexpr int kNormThreads = 256;
-template <class T>
-__global__ void __launch_bounds__(kNormThreads) rmsnorm(const T* x, const T* gain, T* y, std::int32_t dim, float eps) {
-  __shared__ float warp_sums[kNormThreads / 32];
-  cellkv::gpu::kernels::allow_dependent_grids();
-  cellkv::gpu::kernels::wait_for_prior_grids();
-  const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * dim;
+// 1 / rms(x_row) = rsqrt(mean(x_row^2) + eps), to every thread of a block of Threads threads (all
+// of them must call it). The sum of squares: per thread over its elements, then per warp
+// (butterfly), then the warps' sums in warp order, so a row's value does not depend on other rows.
+template <int Threads, class T>
+__device__ float row_inv_rms(const T* x_row, std::int32_t dim, float eps) {
+  __shared__ float warp_sums[Threads / 32];
   const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
   float ss = 0.f;
-  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < dim; i += kNormThreads) {
-    const float v = cellkv::gpu::to_float(x[base + i]);
+  for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < dim; i += Threads) {
+    const float v = cellkv::gpu::to_float(x_row[i]);
     ss += v * v;
   }
 #pragma unroll
@@ -131,8 +96,64 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm(const T* x, const T* gai
   __syncthreads();
   float total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kNormThreads / 32; ++w) total += warp_sums[w];
-  const float inv = rsqrtf(total / static_cast<float>(dim) + eps);
+  for (int w = 0; w < Threads / 32; ++w) total += warp_sums[w];
+  return rsqrtf(total / static_cast<float>(dim) + eps);
+}
+
+// The RMSNorm of a row folded into the product after it: with the gain folded into the weights
+// (W' = diag(gain) W, GpuRank::upload_weights), rmsnorm(x) W = (x W') / rms(x), so a kernel that reads the
+// product scales each row by 1 / rms(x) and no kernel writes the normalized x.
+template <class T>
+struct RowNorm {
+  const T* x = nullptr;  // [rows, dim], the product's input before normalization
+  std::int32_t dim = 0;
+  float eps = 0.f;
+};
+
+// qkv' [rows, q_w + 2 kv_w] = x W'qkv -> q, k (rotated), v, each row scaled by 1 / rms(x row).
+// Grid (ceil(n / 2 / 128), rows), 128 threads: one thread per column pair.
+inline constexpr int kRopeThreads = 128;
+template <class T>
+__global__ void __launch_bounds__(kRopeThreads) rope_split(const T* qkv, T* q, T* k, T* v, const std::int32_t* positions,
+                                                           std::int32_t q_w, std::int32_t kv_w, std::int32_t head_dim,
+                                                           float theta, RowNorm<T> norm) {
+  cellkv::gpu::kernels::allow_dependent_grids();
+  cellkv::gpu::kernels::wait_for_prior_grids();
+  const std::int32_t n = q_w + 2 * kv_w, row = static_cast<std::int32_t>(blockIdx.y);
+  const float inv = row_inv_rms<kRopeThreads>(norm.x + static_cast<std::int64_t>(row) * norm.dim,
+                                              norm.dim, norm.eps);
+  const std::int32_t c = 2 * static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (c >= n) return;
+  const Pair<T> p = reinterpret_cast<const Pair<T>*>(qkv + static_cast<std::int64_t>(row) * n)[c / 2];
+  store_qkv_pair(cellkv::gpu::to_float(p.first) * inv, cellkv::gpu::to_float(p.second) * inv, c, row, q, k, v,
+                 positions, q_w, kv_w, head_dim, theta);
+}
+
+// h13' [rows, 2 ffn] = x W'13 (interleaved); a[r, j] = silu(g) * u with (g, u) = h13'[r, 2j .. 2j + 1]
+// / rms(x row), for j < ffn: the SwiGLU of the normalized W13 output. Grid (ceil(ffn / 256), rows),
+// 256 threads: one thread per output.
+inline constexpr int kSwigluThreads = 256;
+template <class T>
+__global__ void __launch_bounds__(kSwigluThreads) swiglu_pairs(const T* h13, T* a, std::int32_t ffn, RowNorm<T> norm) {
+  cellkv::gpu::kernels::allow_dependent_grids();
+  cellkv::gpu::kernels::wait_for_prior_grids();
+  const std::int64_t row = blockIdx.y;
+  const float inv = row_inv_rms<kSwigluThreads>(norm.x + row * norm.dim, norm.dim, norm.eps);
+  const std::int32_t j = static_cast<std::int32_t>(blockIdx.x * blockDim.x + threadIdx.x);
+  if (j >= ffn) return;
+  const Pair<T> p = reinterpret_cast<const Pair<T>*>(h13 + row * 2 * ffn)[j];
+  const float g = cellkv::gpu::to_float(p.first) * inv;
+  a[row * ffn + j] = cellkv::gpu::from_float<T>(g / (1.f + __expf(-g)) * cellkv::gpu::to_float(p.second) * inv);
+}
+
+// y[row] = x[row] / rms(x[row]) * gain; one block of kNormThreads threads per row (row_inv_rms).
+inline constexpr int kNormThreads = 256;
+template <class T>
+__global__ void __launch_bounds__(kNormThreads) rmsnorm(const T* x, const T* gain, T* y, std::int32_t dim, float eps) {
+  cellkv::gpu::kernels::allow_dependent_grids();
+  cellkv::gpu::kernels::wait_for_prior_grids();
+  const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * dim;
+  const float inv = row_inv_rms<kNormThreads>(x + base, dim, eps);
   for (std::int32_t i = static_cast<std::int32_t>(threadIdx.x); i < dim; i += kNormThreads)
     y[base + i] = cellkv::gpu::from_float<T>(cellkv::gpu::to_float(x[base + i]) * inv * cellkv::gpu::to_float(gain[i]));
 }

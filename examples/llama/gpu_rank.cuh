@@ -12,7 +12,10 @@
 //    products, RoPE and the Q/K/V split into the first, SwiGLU into the second and the residual
 //    into Wo and W2: 4 kernels a layer besides attention, each weight read once per step;
 //  - wider: cuBLAS (fp32 accumulation) for the fused Q/K/V, Wo, W13, W2 and LM-head products, with
-//    RMSNorm, RoPE/split and SwiGLU kernels between them.
+//    RoPE/split and SwiGLU kernels between them. The RMSNorm before Q/K/V and W13 is folded: its
+//    gain into a second copy of those weights (W' = diag(gain) W), its 1 / rms(x) into the RoPE and
+//    SwiGLU kernels, which scale each row of the product (rmsnorm(x) W = (x W') / rms(x)); the LM
+//    head keeps an RMSNorm kernel.
 //
 // CUDA graphs: a step of T tokens runs at width 1 (T == 1) or the next power of two >= T up to
 // max_graph_width; each width and kind of step (the cache's graph_key(): which attention kernels
@@ -212,6 +215,8 @@ class GpuRank {
  private:
   struct Layer {
     cellkv::gpu::DeviceBuffer<T> attn_norm, wqkv, wo, ffn_norm, w13, w2;  // transposed [out, in]
+    // The cuBLAS path's Wqkv and W13 with the RMSNorm gain folded in (row o: Wt[o, i] gain[i]).
+    cellkv::gpu::DeviceBuffer<T> wqkv_gained, w13_gained;
   };
 
   // Byte offsets of the step block (the same on the host staging and the device copy), for W rows
@@ -391,12 +396,12 @@ class GpuRank {
         a.theta = c_.rope_theta;
         CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::qkv_rope, true>(a, rows, options_.dependent_launch, stream_)));
       } else {
-        CELLKV_CUDA_STATUS(launch(kernels::rmsnorm<T>, width, kernels::kNormThreads, x_.data(), lw.attn_norm.data(),
-                                  h_.data(), dim, c_.norm_eps));
-        if (const auto s = gemm(h_.data(), lw.wqkv.data(), qkv_.data(), false, width, dim, qkv_w, false); !s.ok()) return s;
+        // RMSNorm folded: x W'qkv, each row then scaled by 1 / rms(x row) in rope_split.
+        if (const auto s = gemm(x_.data(), lw.wqkv_gained.data(), qkv_.data(), false, width, dim, qkv_w, false); !s.ok())
+          return s;
         const dim3 pairs((qkv_w / 2 + kernels::kRopeThreads - 1) / kernels::kRopeThreads, width);
         CELLKV_CUDA_STATUS(launch(kernels::rope_split<T>, pairs, kernels::kRopeThreads, qkv_.data(), q_.data(), k_.data(),
-                                  v_.data(), positions, q_w, kv_w, c_.head_dim, c_.rope_theta));
+                                  v_.data(), positions, q_w, kv_w, c_.head_dim, c_.rope_theta, row_norm()));
       }
       if (const auto s = attention_.update_and_attend(l, q_.data(), k_.data(), v_.data(), attn_.data(), width,
                                                       c_.heads_q, 0.f, ::cuda::stream_ref(stream_));
@@ -437,12 +442,12 @@ class GpuRank {
         b.accumulate = residual;
         CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store, false>(b, rows, options_.dependent_launch, stream_)));
       } else {
-        CELLKV_CUDA_STATUS(launch(kernels::rmsnorm<T>, width, kernels::kNormThreads, x_.data(), lw.ffn_norm.data(),
-                                  h_.data(), dim, c_.norm_eps));
-        if (const auto s = gemm(h_.data(), lw.w13.data(), h13_.data(), false, width, dim, 2 * c_.ffn, false); !s.ok())
+        // RMSNorm folded: x W'13, each row then scaled by 1 / rms(x row) in swiglu_pairs.
+        if (const auto s = gemm(x_.data(), lw.w13_gained.data(), h13_.data(), false, width, dim, 2 * c_.ffn, false); !s.ok())
           return s;
         const dim3 outputs((c_.ffn + kernels::kSwigluThreads - 1) / kernels::kSwigluThreads, width);
-        CELLKV_CUDA_STATUS(launch(kernels::swiglu_pairs<T>, outputs, kernels::kSwigluThreads, h13_.data(), a_.data(), c_.ffn));
+        CELLKV_CUDA_STATUS(launch(kernels::swiglu_pairs<T>, outputs, kernels::kSwigluThreads, h13_.data(), a_.data(), c_.ffn,
+                                  row_norm()));
         if (const auto s = gemm(a_.data(), lw.w2.data(), x_.data(), false, width, c_.ffn, dim, residual); !s.ok())
           return s;
       }
@@ -479,12 +484,16 @@ class GpuRank {
                                          std::forward<Args>(args)...);
   }
 
-  // Wt [out, in] of W [in, out] (row-major), in T.
-  static std::vector<T> transposed(const std::vector<float>& w, std::int32_t in, std::int32_t out) {
+  // Wt [out, in] of W [in, out] (row-major), in T; with `gain` [in], Wt[o, i] = W[i, o] gain[i]
+  // (rounded once).
+  static std::vector<T> transposed(const std::vector<float>& w, std::int32_t in, std::int32_t out,
+                                   const std::vector<float>* gain = nullptr) {
     std::vector<T> t(w.size());
-    for (std::int32_t i = 0; i < in; ++i)
+    for (std::int32_t i = 0; i < in; ++i) {
+      const float g = gain == nullptr ? 1.f : (*gain)[static_cast<std::size_t>(i)];
       for (std::int32_t o = 0; o < out; ++o)
-        t[static_cast<std::size_t>(o) * in + i] = to_t(w[static_cast<std::size_t>(i) * out + o]);
+        t[static_cast<std::size_t>(o) * in + i] = to_t(w[static_cast<std::size_t>(i) * out + o] * g);
+    }
     return t;
   }
   static T to_t(float v) {
@@ -508,22 +517,32 @@ class GpuRank {
     embed_ = vector_to_device(w.embed);
     final_norm_ = vector_to_device(w.final_norm);
     lm_head_ = to_device(transposed(w.lm_head, dim, c_.vocab));
-    for (const LayerWeights& l : w.layers) {
-      std::vector<T> qkv = transposed(l.wq, dim, q_w);
-      const std::vector<T> k = transposed(l.wk, dim, kv_w), v = transposed(l.wv, dim, kv_w);
+    // [Wq | Wk | Wv] by output; W13: rows (w1 column j, w3 column j). `gain`: folded in (or nullptr).
+    auto qkv_of = [&](const LayerWeights& l, const std::vector<float>* gain) {
+      std::vector<T> qkv = transposed(l.wq, dim, q_w, gain);
+      const std::vector<T> k = transposed(l.wk, dim, kv_w, gain), v = transposed(l.wv, dim, kv_w, gain);
       qkv.insert(qkv.end(), k.begin(), k.end());
       qkv.insert(qkv.end(), v.begin(), v.end());
-      const std::vector<T> w1 = transposed(l.w1, dim, ffn), w3 = transposed(l.w3, dim, ffn);
+      return to_device(qkv);
+    };
+    auto w13_of = [&](const LayerWeights& l, const std::vector<float>* gain) {
+      const std::vector<T> w1 = transposed(l.w1, dim, ffn, gain), w3 = transposed(l.w3, dim, ffn, gain);
       std::vector<T> w13(2 * w1.size());
       for (std::int32_t j = 0; j < ffn; ++j) {
         std::copy_n(w1.begin() + static_cast<std::ptrdiff_t>(j) * dim, dim, w13.begin() + static_cast<std::ptrdiff_t>(2 * j) * dim);
         std::copy_n(w3.begin() + static_cast<std::ptrdiff_t>(j) * dim, dim,
                     w13.begin() + static_cast<std::ptrdiff_t>(2 * j + 1) * dim);
       }
-      layers_.push_back({vector_to_device(l.attn_norm), to_device(qkv), to_device(transposed(l.wo, q_w, dim)),
-                         vector_to_device(l.ffn_norm), to_device(w13), to_device(transposed(l.w2, ffn, dim))});
-    }
+      return to_device(w13);
+    };
+    for (const LayerWeights& l : w.layers)
+      layers_.push_back({vector_to_device(l.attn_norm), qkv_of(l, nullptr), to_device(transposed(l.wo, q_w, dim)),
+                         vector_to_device(l.ffn_norm), w13_of(l, nullptr), to_device(transposed(l.w2, ffn, dim)),
+                         qkv_of(l, &l.attn_norm), w13_of(l, &l.ffn_norm)});
   }
+
+  // The RMSNorm the cuBLAS path folds into rope_split and swiglu_pairs: of the residual stream x.
+  [[nodiscard]] kernels::RowNorm<T> row_norm() const { return {x_.data(), c_.dim, c_.norm_eps}; }
 
   template <class U>
   static cellkv::gpu::DeviceBuffer<U> zeroed(std::size_t n) {
