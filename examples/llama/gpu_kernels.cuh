@@ -101,8 +101,8 @@ __device__ float row_inv_rms(const T* x_row, std::int32_t dim, float eps) {
 }
 
 // The RMSNorm of a row folded into the product after it: with the gain folded into the weights
-// (W' = diag(gain) W, GpuRank::upload_weights), rmsnorm(x) W = (x W') / rms(x), so a kernel that reads the
-// product scales each row by 1 / rms(x) and no kernel writes the normalized x.
+// (W' = diag(gain) W, GpuRank::upload_weights), rmsnorm(x) W = (x W') / rms(x), so a kernel that
+// reads the product scales each row by 1 / rms(x) and no kernel writes the normalized x.
 template <class T>
 struct RowNorm {
   const T* x = nullptr;  // [rows, dim], the product's input before normalization
@@ -114,9 +114,9 @@ struct RowNorm {
 // Grid (ceil(n / 2 / 128), rows), 128 threads: one thread per column pair.
 inline constexpr int kRopeThreads = 128;
 template <class T>
-__global__ void __launch_bounds__(kRopeThreads) rope_split(const T* qkv, T* q, T* k, T* v, const std::int32_t* positions,
-                                                           std::int32_t q_w, std::int32_t kv_w, std::int32_t head_dim,
-                                                           float theta, RowNorm<T> norm) {
+__global__ void __launch_bounds__(kRopeThreads)
+    rope_split(const T* qkv, T* q, T* k, T* v, const std::int32_t* positions, std::int32_t q_w, std::int32_t kv_w,
+               std::int32_t head_dim, float theta, RowNorm<T> norm) {
   cellkv::gpu::kernels::allow_dependent_grids();
   cellkv::gpu::kernels::wait_for_prior_grids();
   const std::int32_t n = q_w + 2 * kv_w, row = static_cast<std::int32_t>(blockIdx.y);

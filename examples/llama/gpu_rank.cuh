@@ -22,8 +22,8 @@
 // the step needs, GpuOptions::graph_per_step_kinds) is captured once (the forward reads only
 // fixed-address buffers: the step block of token ids, positions, deferred-id sources and sampling
 // rows, the ids sampled by the previous step, the cache's step buffers), then replayed for every
-// later step of that width and kind, whatever the mix of sessions. Padding rows write the pool's scratch row and see nothing; their
-// outputs are never read. Wider steps, and every step when the all-reduce cannot be captured, run
+// later step of that width and kind, whatever the mix of sessions. Padding rows write the pool's
+// scratch row and see nothing; their outputs are never read. Wider steps, and every step when the all-reduce cannot be captured, run
 // eagerly.
 //
 // Per step, on the rank's stream: one copy of the step block up, the cache's upload, the forward
@@ -397,7 +397,8 @@ class GpuRank {
         CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::qkv_rope, true>(a, rows, options_.dependent_launch, stream_)));
       } else {
         // RMSNorm folded: x W'qkv, each row then scaled by 1 / rms(x row) in rope_split.
-        if (const auto s = gemm(x_.data(), lw.wqkv_gained.data(), qkv_.data(), false, width, dim, qkv_w, false); !s.ok())
+        if (const auto s = gemm(x_.data(), lw.wqkv_gained.data(), qkv_.data(), false, width, dim, qkv_w, false);
+            !s.ok())
           return s;
         const dim3 pairs((qkv_w / 2 + kernels::kRopeThreads - 1) / kernels::kRopeThreads, width);
         CELLKV_CUDA_STATUS(launch(kernels::rope_split<T>, pairs, kernels::kRopeThreads, qkv_.data(), q_.data(), k_.data(),
@@ -443,11 +444,12 @@ class GpuRank {
         CELLKV_CUDA_STATUS((gemv::launch<T, gemv::Out::store, false>(b, rows, options_.dependent_launch, stream_)));
       } else {
         // RMSNorm folded: x W'13, each row then scaled by 1 / rms(x row) in swiglu_pairs.
-        if (const auto s = gemm(x_.data(), lw.w13_gained.data(), h13_.data(), false, width, dim, 2 * c_.ffn, false); !s.ok())
+        if (const auto s = gemm(x_.data(), lw.w13_gained.data(), h13_.data(), false, width, dim, 2 * c_.ffn, false);
+            !s.ok())
           return s;
         const dim3 outputs((c_.ffn + kernels::kSwigluThreads - 1) / kernels::kSwigluThreads, width);
-        CELLKV_CUDA_STATUS(launch(kernels::swiglu_pairs<T>, outputs, kernels::kSwigluThreads, h13_.data(), a_.data(), c_.ffn,
-                                  row_norm()));
+        CELLKV_CUDA_STATUS(launch(kernels::swiglu_pairs<T>, outputs, kernels::kSwigluThreads, h13_.data(), a_.data(),
+                                  c_.ffn, row_norm()));
         if (const auto s = gemm(a_.data(), lw.w2.data(), x_.data(), false, width, c_.ffn, dim, residual); !s.ok())
           return s;
       }

@@ -72,7 +72,8 @@ gpu::StepKernels kernels_from_plan(const Cache& cache, std::int32_t width, std::
   const StepPlan plan = cache.host().step();
   std::uint32_t bits = plan.tokens < width ? gpu::StepKernels::kDecode : 0u;
   for (const Segment& s : plan.segments)
-    bits |= static_cast<std::int64_t>(s.len) * group <= kDecodeRows ? gpu::StepKernels::kDecode : gpu::StepKernels::kPrefill;
+    bits |= static_cast<std::int64_t>(s.len) * group <= kDecodeRows ? gpu::StepKernels::kDecode
+                                                                    : gpu::StepKernels::kPrefill;
   if (cache.work_counts(0).value().shared > 0) bits |= gpu::StepKernels::kShared;
   return {bits};
 }
@@ -116,7 +117,8 @@ void per_kind_run(std::uint64_t seed) {
     CHECK(harness.padding_rows_are_zero(kWidth));
   }
   // Decode steps had a graph without the prefill kernel, and other steps graphs of their own.
-  CHECK(std::any_of(graphs.begin(), graphs.end(), [](const auto& g) { return !gpu::StepKernels{g.first}.has(gpu::StepKernels::kPrefill); }));
+  CHECK(std::any_of(graphs.begin(), graphs.end(),
+                    [](const auto& g) { return !gpu::StepKernels{g.first}.has(gpu::StepKernels::kPrefill); }));
   CHECK(graphs.size() >= 2);
   require_device_ok();
 }

@@ -29,7 +29,9 @@ struct StepKernels {
   std::uint32_t bits = 0;
 
   [[nodiscard]] static constexpr StepKernels all() noexcept { return {kAll}; }
-  [[nodiscard]] CELLKV_HOST_DEVICE constexpr bool has(std::uint32_t kernel) const noexcept { return (bits & kernel) != 0; }
+  [[nodiscard]] CELLKV_HOST_DEVICE constexpr bool has(std::uint32_t kernel) const noexcept {
+    return (bits & kernel) != 0;
+  }
   // Whether every kernel of `need` is in this set.
   [[nodiscard]] CELLKV_HOST_DEVICE constexpr bool covers(StepKernels need) const noexcept {
     return (need.bits & ~bits) == 0;
@@ -43,8 +45,8 @@ struct StepKernels {
 [[nodiscard]] CELLKV_HOST_DEVICE constexpr StepKernels needed_kernels(std::int32_t decode_segments,
                                                                      std::int32_t prefill_items, bool padding,
                                                                      std::int32_t shared_items) noexcept {
-  return {(decode_segments > 0 || padding ? StepKernels::kDecode : 0u) | (prefill_items > 0 ? StepKernels::kPrefill : 0u) |
-          (shared_items > 0 ? StepKernels::kShared : 0u)};
+  return {(decode_segments > 0 || padding ? StepKernels::kDecode : 0u) |
+          (prefill_items > 0 ? StepKernels::kPrefill : 0u) | (shared_items > 0 ? StepKernels::kShared : 0u)};
 }
 
 }  // namespace cellkv::gpu
