@@ -23,8 +23,8 @@
 // fixed-address buffers: the step block of token ids, positions, deferred-id sources and sampling
 // rows, the ids sampled by the previous step, the cache's step buffers), then replayed for every
 // later step of that width and kind, whatever the mix of sessions. Padding rows write the pool's
-// scratch row and see nothing; their outputs are never read. Wider steps, and every step when the all-reduce cannot be captured, run
-// eagerly.
+// scratch row and see nothing; their outputs are never read. Wider steps, and every step when the
+// all-reduce cannot be captured, run eagerly.
 //
 // Per step, on the rank's stream: one copy of the step block up, the cache's upload, the forward
 // (+ sampler), the cache's commit, one copy of the sampled ids down, an event. Nothing waits on the
