@@ -15,7 +15,8 @@
 //    RoPE/split and SwiGLU kernels between them. The RMSNorm before Q/K/V and W13 is folded: its
 //    gain into a second copy of those weights (W' = diag(gain) W), its 1 / rms(x) into the RoPE and
 //    SwiGLU kernels, which scale each row of the product (rmsnorm(x) W = (x W') / rms(x)); the LM
-//    head keeps an RMSNorm kernel.
+//    head keeps an RMSNorm kernel. Both copies of Wqkv and W13 are kept (the GEMV reads the first).
+//    In fp16, x W' is rms(x) times h W and a large residual stream could pass fp16's range.
 //
 // CUDA graphs: a step of T tokens runs at width 1 (T == 1) or the next power of two >= T up to
 // max_graph_width; each width and kind of step (the cache's graph_key(): which attention kernels
@@ -276,7 +277,8 @@ class GpuRank {
       std::memcpy(base + block_.params, step.sampling.data(), step.sampling.size_bytes());
   }
 
-  // Replays the width's graph (capturing it the first time), or runs eagerly. The step must be
+  // Replays the graph of the width and the cache's graph_key() (capturing it the first time), or
+  // runs eagerly. The step must be
   // uploaded to the attention's cache at this width.
   cellkv::Status run(std::int32_t width) {
     if (!options_.graphs || width > options_.max_graph_width) {

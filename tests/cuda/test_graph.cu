@@ -106,7 +106,6 @@ void per_kind_run(std::uint64_t seed) {
     REQUIRE(cache.upload(stream, kWidth).ok());
     const gpu::StepKernels key = cache.graph_key();
     CHECK(key == kernels_from_plan(cache, kWidth, kHeadsQ / kHeadsKv));
-    CHECK(key == cache.step_kernels());
     auto it = graphs.find(key.bits);
     if (it == graphs.end())
       it = graphs.emplace(key.bits, gpu::capture(stream, [&] { harness.device_forward(kWidth, stream); })).first;

@@ -111,8 +111,8 @@ class DeviceShard {
   void share_prefixes(bool on) noexcept { share_prefixes_ = on; }
   // What a CUDA graph captured over later forwards records (graph_scope.hpp): every attention
   // kernel (GraphScope::every_step, the default: one graph per width), or only those the captured
-  // step needs (GraphScope::step_kinds: one graph per width and graph_key()). Applies from the next
-  // upload.
+  // step needs (GraphScope::step_kinds: one graph per width and graph_key()). Applies at once:
+  // graph_key() and the next capture follow it.
   void set_graph_scope(GraphScope scope) noexcept { scope_ = scope; }
   // The attention kernels the uploaded step needs, over all its windows (table kernels; every
   // kernel on the reference kernel's path, which has one launch whatever the step).
@@ -188,7 +188,8 @@ class DeviceShard {
   // re-rotations of moved cells (key_rotation.cuh), writes the pending position-table entries (cell layout), copies the step
   // block (tokens, segments, every window's work; row ranges for the sequence layout's reference
   // kernel) and builds the dense masks (cell layout, per `masks`). Refuses when no step is placed
-  // or width is outside [T, max_write], and with bad_device_row once after a device fault.
+  // or width is outside [T, max_write], and with bad_device_row or missing_step_kernels once after
+  // a device fault.
   Status upload(::cuda::stream_ref stream, std::int32_t width = 0, Masks masks = Masks::if_needed) {
     if (const Status s = check_upload(width); !s.ok()) return s;
     if (const Status s = take_device_fault(); !s.ok()) return s;
@@ -263,7 +264,8 @@ class DeviceShard {
   }
 
   // Ends the step: records its event. Later calls for this step are refused until the next
-  // declaration. Refuses with bad_device_row once after a device fault (the step stays open).
+  // declaration. Refuses with bad_device_row or missing_step_kernels once after a device fault (the
+  // step stays open).
   Status commit(::cuda::stream_ref stream) {
     if (!ready()) return Errc::no_step_declared;
     if (const Status s = take_device_fault(); !s.ok()) return s;

@@ -170,7 +170,7 @@ class ShardedCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, ShardedCach
 
   // Ends the step on every shard (shard g's event on streams[g]). Refuses a stream count other
   // than G (bad_shape), a step not uploaded to every shard (no_step_declared) and, once, a device
-  // fault of any shard (bad_device_row), ending none.
+  // fault of any shard (bad_device_row, missing_step_kernels), ending none.
   Status commit(std::span<const ::cuda::stream_ref> streams) {
     if (static_cast<std::int32_t>(streams.size()) != shards()) return Errc::bad_shape;
     for (const auto& s : shards_)
@@ -238,7 +238,8 @@ class ShardedCache : public PlanningVerbs<KVCache<L, W, P, MaxSeqs>, ShardedCach
     }
   }
 
-  // A fault of any shard (Errc::bad_device_row), each shard's report taken once; ok when none.
+  // A fault of any shard (Errc::bad_device_row, Errc::missing_step_kernels), each shard's report
+  // taken once; ok when none.
   Status take_device_faults() {
     Status first{};
     for (const auto& s : shards_)
