@@ -32,7 +32,8 @@ inline constexpr std::int32_t kMaxWindows = 8;
 // Bits of the fault words. Each reporter stores into its own word (a plain store, no atomics on
 // mapped host memory), so one fault never overwrites another.
 inline constexpr std::uint32_t kFaultBadRow = 1;         // word 0: write_kv met a row outside [0, rows]
-inline constexpr std::uint32_t kFaultMissingKernel = 2;  // word 1: a replayed graph lacks a kernel the step needs
+inline constexpr std::uint32_t kFaultMissingKernel = 2;  // word 1: a replayed graph lacks a kernel
+inline constexpr int kFaultWordMissingKernel = 1;        // the word kFaultMissingKernel is stored in
 inline constexpr int kFaultWords = 2;
 
 // The distinct windows of a window set, by buffer index, passed to kernels by value.

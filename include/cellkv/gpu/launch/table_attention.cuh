@@ -165,7 +165,8 @@ class TableAttention {
                                                                    shared_o_.data(), shared_lse_.data()}
                                              : kernels::SharedFold{};
     const kernels::LaunchGuard guard{capture != cudaStreamCaptureStatusNone ? graph : StepKernels::all(),
-                                     b.fault + 1, b.tokens, width, sharing ? b.shared.counts : nullptr};
+                                     b.fault + kFaultWordMissingKernel, b.tokens, width,
+                                     sharing ? b.shared.counts : nullptr};
     const kernels::PrefillArgs<In, Rows, S> pre{q,      out,        pool,           rows, shape_.heads_q, scale_log2,
                                                 window, b.segments, b.work[buffer], fold, guard};
     const kernels::DecodeArgs<In, Rows, S> dec{pre, b.tokens, width, partial_o_.data(), partial_lse_.data(),
