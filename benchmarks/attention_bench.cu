@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -117,6 +118,15 @@ void bench_prefill(const Options& o, const char* impl, std::int32_t n, std::int3
   const double ms = time_step(cache, step, stream, 5, o.quick ? 3 : 10);
   const double flops = 4.0 * n * (static_cast<double>(len) * (len + 1) / 2) * kHq * kD;
   bench::emit(o.out, "prefill", shape_name(n, len), impl, ms, flops / (ms * 1e-3) / 1e12, "TFLOP/s");
+}
+
+// The same with the mma.sync prefill kernel (the one kept for GPUs without wgmma), which
+// CELLKV_PREFILL_KERNEL=mma selects for caches made while it is set.
+template <class Cache>
+void bench_prefill_mma(const Options& o, const char* impl, std::int32_t n, std::int32_t len) {
+  setenv("CELLKV_PREFILL_KERNEL", "mma", 1);
+  bench_prefill<Cache>(o, impl, n, len);
+  unsetenv("CELLKV_PREFILL_KERNEL");
 }
 
 // Forks: one 4,096-token prompt and n - 1 forks of it (n sequences holding the same 4,096 cells),
@@ -207,6 +217,7 @@ int main(int argc, char** argv) {
     }
     for (const auto& [n, len] : prefill) {
       bench_prefill<Clustered>(o, "cellkv_cell_clustered", n, len);
+      bench_prefill_mma<Clustered>(o, "cellkv_cell_clustered_mma", n, len);
       bench_prefill<Slots>(o, "cellkv_sequence", n, len);
       bench_prefill<Fp8Clustered>(o, "cellkv_cell_fp8", n, len);
     }

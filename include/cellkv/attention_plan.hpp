@@ -29,7 +29,9 @@
 namespace cellkv {
 
 inline constexpr std::int32_t kDecodeRows = 16;   // query rows (token x head) of a decode item
-inline constexpr std::int32_t kPrefillRows = 64;  // query rows of a prefill item
+// Query rows of a prefill item: one block of the Hopper prefill kernel (two warpgroups of 64 rows
+// share each K/V tile); the mma.sync kernel takes an item in passes of 64.
+inline constexpr std::int32_t kPrefillRows = 128;
 inline constexpr std::int32_t kPrefillTile = 64;  // positions per KV tile of the prefill kernel
 inline constexpr std::int32_t kMinDecodeChunk = 1;  // a decode worker takes at least this many tiles
 

@@ -43,7 +43,7 @@ Expected expected(bool cell, std::int32_t windows, std::int32_t seqs, const Cach
   // boundary the prefill items (2 int32 each); row ranges (2 int32) per window and token for the
   // sequence layout; from a 16-byte boundary, table writes (2 int32) for the cell layout.
   const std::uint64_t group = s.heads_q > 0 ? std::max<std::uint64_t>(1, static_cast<std::uint64_t>(s.heads_q / s.heads_kv)) : 1;
-  const std::uint64_t prefill = w * group / 64 + w;
+  const std::uint64_t prefill = w * group / 128 + w;  // an item per 128 query rows (kPrefillRows)
   const std::uint64_t segments_end = align16(8 * w + 8 + 4 + 4 + 4 * w + 4 * w) + 16 * w;
   const std::uint64_t work_each = align16(align16(4 * (3 + w + w + 1)) + 8 * prefill);
   const std::uint64_t ranges_end = align16(segments_end) + work_each * static_cast<std::uint64_t>(windows) +
@@ -165,8 +165,8 @@ TEST_CASE("footprint refuses pools whose byte size overflows size_t") {
 }
 
 TEST_CASE("footprint refuses a step block whose prefill items pass int32") {
-  // max_write 2^20 tokens of group 2^17: 2^37 / 64 + 2^20 prefill items per window > 2^31 - 1.
-  const PoolShape wide_group{.layers = 3, .heads_kv = 1, .head_dim = 64, .heads_q = 1 << 17};
+  // max_write 2^20 tokens of group 2^18: 2^38 / 128 + 2^20 prefill items per window > 2^31 - 1.
+  const PoolShape wide_group{.layers = 3, .heads_kv = 1, .head_dim = 64, .heads_q = 1 << 18};
   CHECK(device_footprint<CellHost>({.max_write = 1 << 20, .max_cells = 1 << 20}, wide_group, {.element_bytes = 2})
             .status() == Errc::size_overflow);
   CHECK(step_block_shape<CellHost>({.max_write = 1 << 20, .max_cells = 1 << 20}, wide_group, true).status() ==

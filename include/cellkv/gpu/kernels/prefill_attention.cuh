@@ -1,7 +1,8 @@
 // cellkv/gpu/kernels/prefill_attention.cuh - prefill attention read through the position tables.
 //
 // Work item = (prefill item, KV head): kPrefillRows query rows of one segment (token x GQA head of
-// the group), 16 per warp. They read the positions [own_begin, last row] of their sequence that
+// the group), taken kPrefillBlockRows at a time, 16 per warp. They read the positions
+// [own_begin, last row] of their sequence that
 // they see (own_positions: the shared prefix below own_begin was read by shared items): KV tiles of
 // kPrefillTile positions, each inside one page of the position table. The block streams the tiles
 // through 2 or 3 shared-memory stages (cp.async, rows gathered through the table; the row ids of
@@ -15,16 +16,17 @@
 // fp8 pools (S = Fp8E4M3): the stages hold the tiles as stored (codes and scales, Fp8Stage<D>);
 // once a tile has landed the block converts it into one swizzled K/V pair of T (decode(code) x
 // scale in fp32, rounded to T once), and the MMA code reads that pair as it reads a T stage.
-// Each conversion serves up to kPrefillRows query rows.
+// Each conversion serves up to kPrefillBlockRows query rows.
 //
 // Dynamic shared memory (prefill_smem_bytes<D, Stages, S>(), Stages = prefill_stages(D)):
-//   S = T:       Q tile [kPrefillRows x D] T | Stages x (K tile, V tile) [kPrefillTile x D] T
-//   S = Fp8E4M3: Q tile [kPrefillRows x D] T | K tile, V tile [kPrefillTile x D] T (converted)
+//   S = T:       Q tile [kPrefillBlockRows x D] T | Stages x (K tile, V tile) [kPrefillTile x D] T
+//   S = Fp8E4M3: Q tile [kPrefillBlockRows x D] T | K tile, V tile [kPrefillTile x D] T (converted)
 //                | Stages x Fp8Stage<D> (K codes, V codes [kPrefillTile x D] bytes, row-major;
 //                  K scales, V scales [kPrefillTile] fp32)
 // All T tiles are swizzled (SwizzledTile<D>).
 //
-// Grid: persistent (fixed); block: kPrefillWarps x 32 threads.
+// Grid: persistent (fixed); block: kPrefillWarps x 32 threads. On sm_90a, prefill_wgmma.cuh serves
+// T pools of head dim 64 and 128 instead (the same work items, 128 rows at a time).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -47,7 +49,10 @@
 
 namespace cellkv::gpu::kernels {
 
-inline constexpr int kPrefillWarps = kPrefillRows / 16;
+// Query rows the block attends at a time: a prefill item's kPrefillRows in two passes.
+inline constexpr int kPrefillBlockRows = 64;
+static_assert(kPrefillRows % kPrefillBlockRows == 0, "an item is whole passes of the block");
+inline constexpr int kPrefillWarps = kPrefillBlockRows / 16;
 inline constexpr int kPrefillThreads = 32 * kPrefillWarps;
 
 // One stage of an fp8 pool's tile as stored: byte offsets of its parts.
@@ -70,7 +75,7 @@ struct Fp8Stage {
 template <int D, int Stages, class S = __nv_bfloat16>
 constexpr int prefill_smem_bytes() {
   static_assert(Element<S> || std::is_same_v<S, Fp8E4M3>, "S: what the pool stores");
-  constexpr int kQ = kPrefillRows * D * 2, kPair = 2 * kPrefillTile * D * 2;
+  constexpr int kQ = kPrefillBlockRows * D * 2, kPair = 2 * kPrefillTile * D * 2;
   if constexpr (std::is_same_v<S, Fp8E4M3>) return kQ + kPair + Stages * Fp8Stage<D>::kBytes;
   else return kQ + Stages * kPair;
 }
@@ -101,11 +106,12 @@ struct ItemRows {
   }
 };
 
-// The item's query rows [0, kPrefillRows) (zeros past `rows`) into a swizzled shared tile.
-template <int D, class T, class QRows>
-__device__ void load_queries(const T* q, int heads_q, const QRows& it, int hk, std::uint32_t q_dst) {
+// Query rows [0, Rows) of `it` (zeros past it.rows) into a swizzled shared tile, by threads
+// [0, Threads) of the block (thread `thread`).
+template <int D, int Rows, int Threads, class T, class QRows>
+__device__ void load_queries(const T* q, int heads_q, const QRows& it, int hk, std::uint32_t q_dst, int thread) {
   constexpr int kChunks = D / 8;
-  for (int i = threadIdx.x; i < kPrefillRows * kChunks; i += kPrefillThreads) {
+  for (int i = thread; i < Rows * kChunks; i += Threads) {
     const int r = i / kChunks, chunk = i % kChunks;
     const bool valid = r < it.rows;
     const std::int64_t off = valid ? (static_cast<std::int64_t>(it.token(r)) * heads_q + it.head(hk, r)) * D + chunk * 8 : 0;
@@ -225,7 +231,7 @@ struct TileSource {
   PositionRange seen;
 };
 
-// One block's attention of up to kPrefillRows query rows `it` (QRows: ItemRows or SharedRows) over
+// One block's attention of up to kPrefillBlockRows query rows `it` (QRows: ItemRows or SharedRows) over
 // the tiles of `src`, streamed through `Stages` (2 or 3) shared-memory stages; finish(warp's rows,
 // state, lane) writes each warp's result. The block leaves with every thread past its last use of
 // the shared tiles. `ids` holds the row ids of two tiles: the next to issue and the one after.
@@ -239,7 +245,7 @@ __device__ void attend_block(const LayerArgs<T, Rows, S>& a, const QRows& it, co
   static_assert(kFp8 || std::is_same_v<S, T>, "the pool stores T or fp8 codes");
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const std::uint32_t q_tile = smem_addr(smem);
-  const std::uint32_t stages = q_tile + kPrefillRows * D * 2;
+  const std::uint32_t stages = q_tile + kPrefillBlockRows * D * 2;
   constexpr std::uint32_t kTileBytes = kPrefillTile * D * 2;
   // T: stage s's K tile (its V tile follows). fp8: the converted K tile is k_stage(0), and stage s
   // holds codes and scales at fp8_stage(s).
@@ -258,7 +264,7 @@ __device__ void attend_block(const LayerArgs<T, Rows, S>& a, const QRows& it, co
     return prefill_row_id(a.rows, src.seq, (src.span.first + j) * kPrefillTile, src.seen, threadIdx.x);
   };
   const int count = src.span.count;
-  load_queries<D>(a.q, a.heads_q, it, src.hk, q_tile);
+  load_queries<D, kPrefillBlockRows, kPrefillThreads>(a.q, a.heads_q, it, src.hk, q_tile, threadIdx.x);
   cp_async_commit();
   if (threadIdx.x < kPrefillTile) {
     ids[0][threadIdx.x] = count > 0 ? id_of(0) : -1;
@@ -334,6 +340,34 @@ __device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, in
   }
 }
 
+// Prefill item `item` of the uploaded step's window work: its rows (kPrefillRows at most) and KV head.
+struct PrefillWork {
+  ItemRows rows;
+  int hk = 0;
+  int own_begin = 0;  // the first position the item's segment reads itself (shared_fold.cuh)
+};
+template <class T, class Rows, class S>
+__device__ PrefillWork prefill_work(const LayerArgs<T, Rows, S>& a, int item) {
+  const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
+  const PrefillItem w = a.work.prefill[item / heads_kv];
+  ItemRows it{a.segments[w.seg], w.row0, 0, group};
+  it.rows = min(kPrefillRows, it.seg.len * group - it.row0);
+  return {it, item % heads_kv, a.shared.own_begin_of(w.seg)};
+}
+
+// The tiles rows `it` read of KV head hk through `window`, from own_begin on.
+__device__ inline TileSource tile_source(const ItemRows& it, int hk, int window, int own_begin) {
+  return {it.seg.seq, hk, tiles_seen(window, it.first(), it.last(), kPrefillTile, own_begin),
+          own_positions(window, it.first(), it.last(), own_begin)};
+}
+
+// Rows [row0, row0 + count) of `it` (count clamped to what it has, possibly 0).
+__device__ inline ItemRows sub_rows(ItemRows it, int row0, int count) {
+  it.row0 += row0;
+  it.rows = max(0, min(count, it.rows - row0));
+  return it;
+}
+
 // S: what the pool stores (T, or Fp8E4M3); dynamic smem prefill_smem_bytes<D, Stages, S>().
 template <class T, int D, int Stages, class Rows, class S = T>
 __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(PrefillArgs<T, Rows, S> a) {
@@ -342,18 +376,14 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(PrefillArgs
   allow_dependent_grids();
   wait_for_prior_grids();
   a.guard.check(a.work);
-  const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
-  const int items = a.work.prefill_count() * heads_kv;
+  const int items = a.work.prefill_count() * a.pool.heads_kv;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const PrefillItem w = a.work.prefill[item / heads_kv];
-    const int hk = item % heads_kv;
-    ItemRows it{a.segments[w.seg], w.row0, 0, group};
-    it.rows = min(kPrefillRows, it.seg.len * group - it.row0);
-    const int own_begin = a.shared.own_begin_of(w.seg);
-    const TileSource src{it.seg.seq, hk, tiles_seen(a.window, it.first(), it.last(), kPrefillTile, own_begin),
-                         own_positions(a.window, it.first(), it.last(), own_begin)};
-    attend_block<T, D, Stages>(a, it, src, smem, ids,
-                       [&](const ItemRows& mine, RowState<D>& st, int lane) { write_rows<T, D>(a, mine, hk, st, lane); });
+    const PrefillWork w = prefill_work(a, item);
+    for (int row0 = 0; row0 < w.rows.rows; row0 += kPrefillBlockRows) {
+      const ItemRows it = sub_rows(w.rows, row0, kPrefillBlockRows);
+      attend_block<T, D, Stages>(a, it, tile_source(it, w.hk, a.window, w.own_begin), smem, ids,
+                                 [&](const ItemRows& mine, RowState<D>& st, int lane) { write_rows<T, D>(a, mine, w.hk, st, lane); });
+    }
   }
 }
 

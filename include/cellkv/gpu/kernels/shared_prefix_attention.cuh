@@ -26,7 +26,7 @@
 
 namespace cellkv::gpu::kernels {
 
-static_assert(kSharedRows == kPrefillRows && kSharedTile == kPrefillTile, "shared items run the prefill block");
+static_assert(kSharedRows == kPrefillBlockRows && kSharedTile == kPrefillTile, "shared items run the prefill block");
 
 template <class T, class Rows, class S = T>
 struct SharedArgs : LayerArgs<T, Rows, S> {

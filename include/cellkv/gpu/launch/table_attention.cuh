@@ -7,7 +7,11 @@
 //   shared_prefix_attention  the step's shared prefixes (cell layout), read once for all who share
 //                            them; partial results per token, run and KV split (prefix_sharing.hpp)
 //   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
-//   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together
+//   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together;
+//                       prefill_wgmma instead where the device runs sm_90a code (wgmma: Hopper),
+//                       the pool stores bf16 / fp16 and D is 64 or 128. Setting the environment
+//                       variable CELLKV_PREFILL_KERNEL=mma before a cache is made keeps the
+//                       mma.sync kernel (tests compare the two).
 // The last two fold the shared partials (every split of every run of a token) into their outputs.
 // Outside graph capture a kernel with no work in the uploaded step is not launched at all. On sm_90
 // and later every one of them is a dependent launch (kernels/dependent_launch.cuh): it is scheduled
@@ -27,6 +31,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "cellkv/attention_plan.hpp"
@@ -35,6 +41,7 @@
 #include "cellkv/gpu/kernels/decode_attention.cuh"
 #include "cellkv/gpu/kernels/dependent_launch.cuh"
 #include "cellkv/gpu/kernels/prefill_attention.cuh"
+#include "cellkv/gpu/kernels/prefill_wgmma.cuh"
 #include "cellkv/gpu/kernels/shared_prefix_attention.cuh"
 #include "cellkv/gpu/kernels/tile_rows.cuh"
 #include "cellkv/gpu/kv_views.hpp"
@@ -119,6 +126,8 @@ class TableAttention {
   static constexpr int kDecSmem = kernels::decode_smem_bytes<D, kDec<D>.stages, kDec<D>.warps, kBytes>();
   template <int D>
   static constexpr int kPreSmem = kernels::prefill_smem_bytes<D, kPrefillStages<D>, S>();
+  template <int D>
+  static constexpr bool kWgmmaPrefill = !kFp8Kv<T> && kernels::wgmma_prefill_supports(D);  // instantiated
 
  public:
   // Throws cellkv::gpu::Error when allocation or a CUDA query fails. Precondition: supported shape.
@@ -126,6 +135,7 @@ class TableAttention {
     int device = 0, sms = 0;
     CELLKV_CUDA_THROW(cudaGetDevice(&device));
     CELLKV_CUDA_THROW(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    wgmma_prefill_ = !kFp8Kv<T> && kernels::wgmma_prefill_supports(shape.head_dim) && wgmma_code_runs(device);
     (void)dispatch_head_dim(shape.head_dim, [&](auto d) { return size_grids<decltype(d)::value>(sms); });
     partial_o_ = DeviceBuffer<float>(static_cast<std::size_t>(slots_) * kDecodeRows * static_cast<std::size_t>(shape.head_dim));
     partial_lse_ = DeviceBuffer<float>(static_cast<std::size_t>(slots_) * kDecodeRows);
@@ -137,6 +147,9 @@ class TableAttention {
   }
 
   // The decode tile (positions) the host plans with.
+  // Whether prefill runs the Hopper (wgmma) kernel rather than the mma.sync one.
+  [[nodiscard]] bool wgmma_prefill() const noexcept { return wgmma_prefill_; }
+
   [[nodiscard]] AttentionShape plan_shape() const noexcept {
     return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim, kBytes)};
   }
@@ -193,6 +206,20 @@ class TableAttention {
   }
 
  private:
+  // Whether `device` runs this build's sm_90a code (so wgmma), unless CELLKV_PREFILL_KERNEL=mma.
+  static bool wgmma_code_runs(int device) {
+    if (const char* e = std::getenv("CELLKV_PREFILL_KERNEL"); e != nullptr && std::string_view(e) == "mma") return false;
+    int major = 0;
+    CELLKV_CUDA_THROW(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    if (major != 9) return false;
+    DeviceBuffer<int> flag(1);
+    kernels::sm90a_probe<<<1, 1>>>(flag.data());
+    CELLKV_CUDA_THROW(cudaGetLastError());
+    int runs = 0;
+    CELLKV_CUDA_THROW(cudaMemcpy(&runs, flag.data(), sizeof runs, cudaMemcpyDeviceToHost));
+    return runs == 1;
+  }
+
   // Grid sizes from occupancy (persistent grids of one wave) and the decode's partial slots.
   template <int D>
   Status size_grids(int sms) {
@@ -207,6 +234,14 @@ class TableAttention {
     CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pre_blocks, pre, kernels::kPrefillThreads, pre_smem));
     decode_grid_ = sms * (dec_blocks > 0 ? dec_blocks : 1);
     prefill_grid_ = sms * (pre_blocks > 0 ? pre_blocks : 1);
+    if constexpr (kWgmmaPrefill<D>) {
+      if (wgmma_prefill_) {  // one block per SM (its shared memory)
+        constexpr int smem = kernels::WgmmaPrefill<D>::kAllocation;
+        CELLKV_CUDA_THROW(cudaFuncSetAttribute(kernels::prefill_wgmma<In, D, Rows>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+        prefill_grid_ = sms;
+      }
+    }
     auto* shared = kernels::shared_prefix_attention<In, D, kPrefillStages<D>, Rows, S>;
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(shared, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
     int shared_blocks = 0;
@@ -238,6 +273,11 @@ class TableAttention {
   // follows an event, not a kernel).
   template <int D>
   Status launch_prefill(const kernels::PrefillArgs<In, Rows, S>& a, cudaStream_t stream, bool dependent) const {
+    if constexpr (kWgmmaPrefill<D>) {
+      if (wgmma_prefill_)
+        return launch(kernels::prefill_wgmma<In, D, Rows>, prefill_grid_, kernels::kWgmmaPrefillThreads,
+                      kernels::WgmmaPrefill<D>::kAllocation, dependent, stream, a);
+    }
     return launch(kernels::prefill_attention<In, D, kPrefillStages<D>, Rows, S>, prefill_grid_, kernels::kPrefillThreads,
                   kPreSmem<D>, dependent, stream, a);
   }
@@ -249,6 +289,7 @@ class TableAttention {
 
   TableShape shape_;
   bool dependent_ = dependent_launch_supported();  // the layer's kernels as dependent launches (sm_90+)
+  bool wgmma_prefill_ = false;                     // prefill runs prefill_wgmma
   int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0;
   std::int32_t slots_ = 0;
   DeviceBuffer<float> partial_o_, partial_lse_;
