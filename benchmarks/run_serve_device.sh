@@ -18,7 +18,7 @@
 # Logs, results-serve.jsonl and results-fp8-model.jsonl go to OUT_DIR (12 files); the weights file
 # goes to $TMPDIR.
 #
-#   benchmarks/run_serve_device.sh BUILD_DIR OUT_DIR      (after: meson setup BUILD_DIR -Dgpu_arch=90)
+#   benchmarks/run_serve_device.sh BUILD_DIR OUT_DIR      (after: meson setup BUILD_DIR; gpu_arch defaults to 90a)
 set -uo pipefail
 build="${1:?usage: run_serve_device.sh BUILD_DIR OUT_DIR}"
 out="${2:?usage: run_serve_device.sh BUILD_DIR OUT_DIR}"

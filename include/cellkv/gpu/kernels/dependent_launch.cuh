@@ -14,7 +14,7 @@
 // launch_dependent() after them can be resident and fetch its weights while cellkv's attention
 // runs. Both device calls are no-ops below sm_90 and for kernels launched the ordinary way. So
 // cellkv's kernels must be compiled for compute_90 or later to run on an sm_90 device (the
-// project's builds are: gpu_arch 90 gives sm_90 code): PTX of an older architecture JIT-compiled
+// project's builds are: gpu_arch 90a gives sm_90a code): PTX of an older architecture JIT-compiled
 // there would be launched as a dependent without its wait.
 #pragma once
 
