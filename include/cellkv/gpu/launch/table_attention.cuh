@@ -146,10 +146,10 @@ class TableAttention {
     shared_lse_ = DeviceBuffer<float>(shared_rows);
   }
 
-  // The decode tile (positions) the host plans with.
   // Whether prefill runs the Hopper (wgmma) kernel rather than the mma.sync one.
   [[nodiscard]] bool wgmma_prefill() const noexcept { return wgmma_prefill_; }
 
+  // The decode tile (positions) the host plans with.
   [[nodiscard]] AttentionShape plan_shape() const noexcept {
     return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim, kBytes)};
   }
