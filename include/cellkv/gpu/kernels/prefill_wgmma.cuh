@@ -40,10 +40,6 @@
 #include "cellkv/gpu/kernels/wgmma.cuh"
 #include "cellkv/visibility.hpp"
 
-#ifndef CELLKV_WGMMA_STAGES_D64
-#define CELLKV_WGMMA_STAGES_D64 8
-#endif
-
 namespace cellkv::gpu::kernels {
 
 inline constexpr int kWarpgroup = 128;
@@ -58,7 +54,10 @@ constexpr bool wgmma_prefill_supports(int head_dim) { return head_dim == 64 || h
 // Shared-memory layout for head dim D (byte offsets from the 1024-aligned base).
 template <int D>
 struct WgmmaPrefill {
-  static constexpr int kStages = D <= 64 ? CELLKV_WGMMA_STAGES_D64 : 5;
+  static constexpr int kStages = D <= 64 ? 8 : 5;
+  // A producer warp waits on empty[s] by parity only: its previous tile (k - 4) must be at most one
+  // phase behind, which needs at least as many stages as producer warps.
+  static_assert(kStages >= kProducerWarps, "the ring needs a stage per producer warp at least");
   using KV = Sw128Tile<kPrefillTile, D>;
   static constexpr int kStageBytes = 2 * KV::kBytes;  // K tile, then V tile
   static constexpr int kQ = kStages * kStageBytes;

@@ -25,7 +25,7 @@
 
 namespace cellkv::gpu::kernels {
 
-// Element offset, in bytes, of 16-byte chunk `chunk` (D / 8 per row) of row `row` of an Sw128Tile.
+// Byte offset of 16-byte chunk `chunk` (D / 8 per row) of row `row` of an Sw128Tile.
 template <int Rows, int D>
 struct Sw128Tile {
   static_assert(D % 64 == 0 && Rows % 8 == 0, "whole 64-column blocks of whole 8-row swizzle atoms");
@@ -159,6 +159,15 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const std::uint32
 #undef CELLKV_WGMMA_OPS64
 #undef CELLKV_ACC16
 #undef CELLKV_ACC4
+#undef CELLKV_WGMMA_D64
+#undef CELLKV_WGMMA_D128
+#undef CELLKV_WGMMA_D256
+#undef CELLKV_WGMMA_TAIL64
+#undef CELLKV_WGMMA_TAIL128
+#undef CELLKV_WGMMA_TAIL256
+#undef CELLKV_WGMMA_SCALE64
+#undef CELLKV_WGMMA_SCALE128
+#undef CELLKV_WGMMA_SCALE256
 
 // Writes 1 to *out when the code running on this device was built for sm_90a (wgmma), else 0.
 // (A template only so that every translation unit may define it.)
