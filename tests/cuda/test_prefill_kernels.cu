@@ -45,11 +45,20 @@ void on_all(std::vector<Cache*>& caches, Verb&& verb) {
   for (Cache* c : caches) verb(*c);
 }
 
+// (tokens of seqs[0], [1], [2]) per step: long chunks, a single token, a chunk ending in a
+// partial tile, a decode token beside prompt chunks; before step 3 a fork (seqs[3], 40 tokens a
+// step after) that prefills past its parent's prefix, and a rewind that leaves positions to rewrite.
+using Steps = std::vector<std::vector<std::int32_t>>;
+const Steps kLongSteps{{3000, 1, 700}, {1, 1000, 63}, {65, 1, 129}, {600, 1, 1}, {1, 1, 2000}, {17, 333, 2}};
+// The same shapes at a size the sanitizers get through.
+const Steps kShortSteps{{300, 1, 70}, {1, 100, 63}, {65, 1, 129}, {60, 1, 1}, {1, 1, 200}};
+
 // Three caches (wgmma where it runs, mma.sync, reference kernel) fed identical steps: ragged prompt
 // chunks of up to max_write tokens beside decode tokens. Every output is compared with the
 // reference kernel's.
 template <class Cache>
-void ragged_prefill(std::int32_t heads_q, std::int32_t heads_kv, std::int32_t head_dim, std::uint64_t seed) {
+void ragged_prefill(std::int32_t heads_q, std::int32_t heads_kv, std::int32_t head_dim, std::uint64_t seed,
+                    const Steps& steps = kLongSteps) {
   CAPTURE(heads_q);
   CAPTURE(heads_kv);
   CAPTURE(head_dim);
@@ -71,19 +80,16 @@ void ragged_prefill(std::int32_t heads_q, std::int32_t heads_kv, std::int32_t he
   std::mt19937_64 df(seed), dm(seed), dr(seed);
   std::vector<std::int32_t> seqs;
   on_all(caches, [&](Cache& c) { seqs = {c.seq_new().value(), c.seq_new().value(), c.seq_new().value()}; });
-  // (tokens of seqs[0], [1], [2]) per step: long chunks, a single token, a chunk ending in a
-  // partial tile, a decode token beside prompt chunks, a fork (seqs[3]) that prefills past its
-  // parent's prefix, and a rewind that leaves positions to rewrite.
-  const std::vector<std::vector<std::int32_t>> steps{
-      {3000, 1, 700}, {1, 1000, 63}, {65, 1, 129}, {600, 1, 1}, {1, 1, 2000}, {17, 333, 2},
-  };
+  const std::int32_t fork_at = steps[0][0] * 2 / 3 + 3;  // inside a tile of seqs[0]'s prefix
+  const std::int32_t seq1_before_fork = steps[0][1] + steps[1][1] + steps[2][1];
+  const std::int32_t rewind_to = seq1_before_fork - seq1_before_fork / 10;
   for (std::size_t step = 0; step < steps.size(); ++step) {
     CAPTURE(step);
     if (step == 3) {  // fork seqs[0] at a position inside a tile; rewind seqs[1]
       on_all(caches, [&](Cache& c) {
-        const std::int32_t fork = c.seq_clone(seqs[0], 2003).value();
+        const std::int32_t fork = c.seq_clone(seqs[0], fork_at).value();
         if (seqs.size() == 3) seqs.push_back(fork);
-        REQUIRE(c.rewind(seqs[1], 900).ok());
+        REQUIRE(c.rewind(seqs[1], rewind_to).ok());
       });
     }
     std::vector<std::int32_t> ids;
@@ -125,4 +131,9 @@ TEST_CASE("prefill kernels: wgmma and mma.sync agree with the reference on long 
 TEST_CASE("prefill kernels: wgmma and mma.sync agree with the reference on long ragged chunks, sequence layout") {
   ragged_prefill<Slots<__nv_bfloat16>>(8, 1, 128, 4);
   ragged_prefill<Slots<__half>>(8, 8, 64, 5);
+}
+
+TEST_CASE("prefill kernels: short ragged steps (the sanitizers' case)") {
+  ragged_prefill<Cells<__nv_bfloat16, placement::lowest_free>>(8, 2, 128, 6, kShortSteps);
+  ragged_prefill<Slots<__half>>(4, 4, 64, 7, kShortSteps);
 }

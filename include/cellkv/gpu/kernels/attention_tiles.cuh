@@ -145,6 +145,30 @@ struct RowState {
       m[h] = m_new;
     }
   }
+  // to_probabilities for raw scores (-inf where masked) and a factor scale_log2 > 0 folded into the
+  // exponent: p = 2^(s scale_log2 - m), one FFMA and one exp2 a score.
+  template <int NT>
+  __device__ __forceinline__ void to_probabilities_scaled(float (&s)[NT][4], float scale_log2, float (&corr)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+      const float m_new = fmaxf(m[h], quad_max(mx) * scale_log2);
+      const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing yet
+      corr[h] = fast_exp2(m[h] - base);
+      float sum = 0.f;
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          s[n][e] = fast_exp2(fmaf(s[n][e], scale_log2, -base));
+          sum += s[n][e];
+        }
+      l[h] = l[h] * corr[h] + sum;
+      m[h] = m_new;
+    }
+  }
   // o's row h (this lane's row lane / 4 + 8 h) times f.
   __device__ __forceinline__ void rescale(int h, float f) {
 #pragma unroll

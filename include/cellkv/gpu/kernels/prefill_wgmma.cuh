@@ -3,12 +3,12 @@
 //
 // Work item = (prefill item, KV head), as prefill_attention.cuh: kPrefillRows (128) query rows of
 // one segment (token x GQA head of the group). Block: three warpgroups.
-//   producer  (warpgroup 0, 64 registers a thread): per item, the item's queries into the query
+//   producer  (warpgroup 0, 56 registers a thread): per item, the item's queries into the query
 //             tile, then every KV tile the item reads (kPrefillTile positions, gathered row by row
 //             through the position table with cp.async, holes and unread positions zero-filled)
 //             into a ring of Stages stages, with the tile's absent columns beside it; tile k by
 //             producer warp k % 4.
-//   consumers (warpgroups 1 and 2, 216 registers): rows [64 c, 64 c + 64) of the item each; the
+//   consumers (warpgroups 1 and 2, 224 registers): rows [64 c, 64 c + 64) of the item each; the
 //             queries as register A fragments, then per tile S = Q K^T (wgmma, K from the stage),
 //             mask and online softmax in registers (attention_tiles.cuh: the accumulator layout is
 //             mma.sync's), O += P V (wgmma, P from registers, V from the stage). A consumer whose
@@ -46,6 +46,13 @@ inline constexpr int kWarpgroup = 128;
 inline constexpr int kWgmmaPrefillThreads = 3 * kWarpgroup;
 inline constexpr int kConsumerRows = 64;  // query rows of a consumer warpgroup
 inline constexpr int kProducerWarps = kWarpgroup / 32;
+// Registers a thread of the producer and of the consumers keep (setmaxnreg). Together they must not
+// pass what the block is launched with (kWgmmaRegisterNeed <= registers per thread x 384, which
+// the dispatch checks): the increase could otherwise wait on registers another block holds (a
+// dependent launch's, itself waiting on this kernel). With 64 + 224 (the whole register file) the
+// kernel hung on 2026-12-02.
+inline constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
+inline constexpr int kWgmmaRegisterNeed = kWarpgroup * (kProducerRegisters + 2 * kConsumerRegisters);
 static_assert(kPrefillRows == 2 * kConsumerRows, "two consumer warpgroups cover an item");
 
 // Head dims the kernel serves.
@@ -138,12 +145,13 @@ __device__ void produce_prefill(const PrefillArgs<T, Rows>& a, std::uint32_t bas
 template <class T, int D>
 __device__ __forceinline__ void issue_scores(float (&s)[kPrefillTile / 8][4], const QFragments<D>& q,
                                              std::uint32_t k_tile, int lane) {
+  const std::uint64_t k0 = k_operand<kPrefillTile, D>(k_tile, 0);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     std::uint32_t a[4];
     q.get(a, kk, lane);
-    wgmma_rs<T, kPrefillTile, false>(s, a, k_operand<kPrefillTile, D>(k_tile, kk), kk > 0);
+    wgmma_rs<T, kPrefillTile, false>(s, a, advance(k0, k_step_bytes<kPrefillTile, D>(kk)), kk > 0);
   }
   wgmma_commit();
 }
@@ -165,28 +173,65 @@ __device__ __forceinline__ void pack_probabilities(std::uint32_t (&a)[kPrefillTi
 template <class T, int D>
 __device__ __forceinline__ void issue_values(float (&o)[D / 8][4], const std::uint32_t (&a)[kPrefillTile / 16][4],
                                              std::uint32_t v_tile) {
+  const std::uint64_t v0 = v_operand<kPrefillTile, D>(v_tile, 0);
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < kPrefillTile / 16; ++ks) wgmma_rs<T, D, true>(o, a[ks], v_operand<kPrefillTile, D>(v_tile, ks), true);
+  for (int ks = 0; ks < kPrefillTile / 16; ++ks) wgmma_rs<T, D, true>(o, a[ks], advance(v0, 2048u * ks), true);
   wgmma_commit();
 }
 
-// Scores of a warp's rows `mine` over the tile at key0 -> log2 units, masked (mask_tile) unless
-// every row sees every column.
-template <class QRows>
-__device__ __forceinline__ void scale_and_mask(float (&s)[kPrefillTile / 8][4], const QRows& mine, int key0,
-                                               int window, std::uint64_t absent, float scale_log2, int lane) {
-  const bool full = key0 >= visible_begin(window, mine.last()) && key0 + kPrefillTile - 1 <= mine.first();
-  if (full && absent == 0 && mine.rows == 16) {
-#pragma unroll
-    for (int n = 0; n < kPrefillTile / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;
-  } else {
-    mask_tile<kPrefillTile / 8>(s, mine.rows, [&](int r) { return mine.qpos(r); }, key0, window, full, absent,
-                                scale_log2, lane);
-  }
+// A warp's 16 rows of an item as the consumer's tile loop needs them, computed once per item.
+struct WarpRows {
+  ItemRows rows;
+  int first = 0, last = 0;     // query positions of the first and last row
+  int last_sees_from = 0;      // visible_begin(window, last): tiles from here to first need no mask
+  __device__ WarpRows(const ItemRows& mine, int window)
+      : rows(mine), first(mine.first()), last(mine.last()), last_sees_from(visible_begin(window, last)) {}
+};
+
+// Raw scores of a warp's rows over the tile at key0: -inf where a row may not see a column's
+// position or the column is absent; untouched when every row sees every column.
+__device__ __forceinline__ void mask_scores(float (&s)[kPrefillTile / 8][4], const WarpRows& w, int key0, int window,
+                                            std::uint64_t absent, int lane) {
+  const bool full = key0 >= w.last_sees_from && key0 + kPrefillTile - 1 <= w.first;
+  if (full && absent == 0 && w.rows.rows == 16) return;
+  mask_tile<kPrefillTile / 8>(s, w.rows.rows, [&](int r) { return w.rows.qpos(r); }, key0, window, full, absent,
+                              [](int, int, int) { return 1.f; }, lane);
 }
+
+// Masked raw scores -> probabilities (RowState's online softmax, scale_log2 folded into the
+// exponent when positive); corr: the factors o's rows must take.
+template <int D>
+__device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[kPrefillTile / 8][4], float scale_log2,
+                                             float (&corr)[2]) {
+  if (scale_log2 > 0.f) {
+    st.to_probabilities_scaled(s, scale_log2, corr);
+    return;
+  }
+#pragma unroll
+  for (int n = 0; n < kPrefillTile / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;  // -inf x a negative scale: +inf; no user does this
+  st.to_probabilities(s, corr);
+}
+
+// o's rows times corr, skipped when every row of the warp keeps its maximum.
+template <int D>
+__device__ __forceinline__ void rescale_rows(RowState<D>& st, const float (&corr)[2]) {
+  if (!__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) return;
+  st.rescale(0, corr[0]);
+  st.rescale(1, corr[1]);
+}
+
+// Where the consumers are in the ring of stages: the stage of a tile and its phase parity.
+template <int Stages>
+struct RingCursor {
+  int stage = 0;
+  std::uint32_t phase = 0;
+  __device__ __forceinline__ void next() {
+    if (++stage == Stages) stage = 0, phase ^= 1u;
+  }
+};
 
 // Tiles [lo, hi) of src that rows `rows` see (causal and window by position ranges): the
 // consumer's MMAs skip the others. Empty when the rows are none.
@@ -207,64 +252,68 @@ template <class T, int D, class Rows>
 __device__ void consume_prefill(const PrefillArgs<T, Rows>& a, int c, std::uint32_t base, const std::uint64_t* absent,
                                 const PrefillBarriers& bar) {
   using L = WgmmaPrefill<D>;
+  using Cursor = RingCursor<L::kStages>;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int items = a.work.prefill_count() * a.pool.heads_kv;
-  int k = 0, n = 0;  // tiles and items consumed so far
-  for (int item = blockIdx.x; item < items; item += gridDim.x, ++n) {
+  Cursor ring;  // the next tile to consume
+  auto take = [&] {  // waits for the next tile; returns its place
+    const Cursor t = ring;
+    wait_phase(bar.full + t.stage, t.phase);
+    ring.next();
+    return t;
+  };
+  auto release = [&](const Cursor& t) { (void)::cuda::ptx::mbarrier_arrive(bar.empty + t.stage); };
+  auto k_tile = [&](const Cursor& t) { return base + static_cast<std::uint32_t>(t.stage * L::kStageBytes); };
+  for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
     const PrefillWork w = prefill_work(a, item);
     const TileSource src = tile_source(w.rows, w.hk, a.window, w.own_begin);
     const ItemRows rows = sub_rows(w.rows, kConsumerRows * c, kConsumerRows);  // the warpgroup's
-    const ItemRows mine = rows.for_warp(warp, lane);
+    const WarpRows mine(rows.for_warp(warp, lane), a.window);
     wait_phase(bar.q_full, n & 1);
     QFragments<D> q;
     q.init(base + L::kQ, kConsumerRows * c + 16 * warp, lane);
     (void)::cuda::ptx::mbarrier_arrive(bar.q_empty);
-    auto stage = [&](int j) { return (k + j) % L::kStages; };
-    auto wait_full = [&](int j) { wait_phase(bar.full + stage(j), ((k + j) / L::kStages) & 1); };
-    auto release = [&](int j) { (void)::cuda::ptx::mbarrier_arrive(bar.empty + stage(j)); };
-    auto k_tile = [&](int j) { return base + static_cast<std::uint32_t>(stage(j) * L::kStageBytes); };
-    auto scores = [&](float (&s)[kPrefillTile / 8][4], int j) {  // s of tile j, once its group is done
-      scale_and_mask(s, mine, (src.span.first + j) * kPrefillTile, a.window, absent[stage(j)], a.scale_log2, lane);
+    auto scores = [&](float (&s)[kPrefillTile / 8][4], int j, const Cursor& t) {  // once S of tile j is done
+      mask_scores(s, mine, (src.span.first + j) * kPrefillTile, a.window, absent[t.stage], lane);
     };
     RowState<D> st;
-    const TileRange mine_tiles = tiles_of(rows, src, a.window);
-    for (int j = 0; j < mine_tiles.lo; ++j) wait_full(j), release(j);
-    if (mine_tiles.lo < mine_tiles.hi) {
+    const TileRange seen = tiles_of(rows, src, a.window);
+    for (int j = 0; j < seen.lo; ++j) release(take());
+    if (seen.lo < seen.hi) {
       float s[kPrefillTile / 8][4] = {};
+      float corr[2];
       std::uint32_t p[kPrefillTile / 16][4];
-      wait_full(mine_tiles.lo);
+      Cursor prev = take();
       ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);  // cp.async's writes, to the wgmma reads
-      issue_scores<T, D>(s, q, k_tile(mine_tiles.lo), lane);
+      issue_scores<T, D>(s, q, k_tile(prev), lane);
       wgmma_wait<0>();
       fence_accumulators(s);
-      scores(s, mine_tiles.lo);
-      st.absorb(s);
+      scores(s, seen.lo, prev);
+      softmax_tile(st, s, a.scale_log2, corr);  // o is still zero
       pack_probabilities<T>(p, s);
-      for (int j = mine_tiles.lo + 1; j < mine_tiles.hi; ++j) {
-        wait_full(j);
+      for (int j = seen.lo + 1; j < seen.hi; ++j) {
+        const Cursor t = take();
         ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);
-        issue_scores<T, D>(s, q, k_tile(j), lane);
-        issue_values<T, D>(st.o, p, k_tile(j - 1) + L::KV::kBytes);
+        issue_scores<T, D>(s, q, k_tile(t), lane);
+        issue_values<T, D>(st.o, p, k_tile(prev) + L::KV::kBytes);
         wgmma_wait<1>();  // S of tile j
         fence_accumulators(s);
-        scores(s, j);
-        float corr[2];
-        st.to_probabilities(s, corr);
+        scores(s, j, t);
+        softmax_tile(st, s, a.scale_log2, corr);
         wgmma_wait<0>();  // P V of tile j - 1
         fence_accumulators(st.o);
-        release(j - 1);
-        st.rescale(0, corr[0]);
-        st.rescale(1, corr[1]);
+        release(prev);
+        rescale_rows(st, corr);
         pack_probabilities<T>(p, s);
+        prev = t;
       }
-      issue_values<T, D>(st.o, p, k_tile(mine_tiles.hi - 1) + L::KV::kBytes);
+      issue_values<T, D>(st.o, p, k_tile(prev) + L::KV::kBytes);
       wgmma_wait<0>();
       fence_accumulators(st.o);
-      release(mine_tiles.hi - 1);
+      release(prev);
     }
-    for (int j = mine_tiles.hi; j < src.span.count; ++j) wait_full(j), release(j);
-    k += max(0, src.span.count);
-    write_rows<T, D>(a, mine, w.hk, st, lane);
+    for (int j = seen.hi; j < src.span.count; ++j) release(take());
+    write_rows<T, D>(a, mine.rows, w.hk, st, lane);
   }
 }
 
@@ -292,12 +341,10 @@ __global__ void __launch_bounds__(kWgmmaPrefillThreads, 1) prefill_wgmma(Prefill
   wait_for_prior_grids();
   a.guard.check(a.work);
   if (threadIdx.x < kWarpgroup) {
-    // 64 x 128 + 216 x 256 registers: within the 168 x 384 the block is launched with, so the
-    // increase never waits on registers held by another block (a dependent launch's).
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;\n");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
     produce_prefill<T, D>(a, base, absent, bar);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
     consume_prefill<T, D>(a, threadIdx.x / kWarpgroup - 1, base, absent, bar);
   }
 #else

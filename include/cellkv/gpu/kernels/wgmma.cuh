@@ -43,15 +43,27 @@ __device__ __forceinline__ std::uint64_t sw128_descriptor(std::uint32_t addr, st
          static_cast<std::uint64_t>((stride >> 4) & 0x3FFF) << 32 | std::uint64_t{1} << 62;
 }
 
+// A descriptor `bytes` further into shared memory (no carry leaves the address field: shared
+// addresses stay below 256 KB).
+__device__ __forceinline__ std::uint64_t advance(std::uint64_t descriptor, std::uint32_t bytes) {
+  return descriptor + (bytes >> 4);
+}
+
 // B = K^T for k-step kk (D columns [16 kk, 16 kk + 16)) of a K tile [Rows][D] (Sw128Tile): K-major,
 // 8-row atoms 1024 bytes apart; a k-step is 32 bytes into its column block.
 template <int Rows, int D>
+__host__ __device__ constexpr std::uint32_t k_step_bytes(int kk) {
+  return static_cast<std::uint32_t>((kk >> 2) * Sw128Tile<Rows, D>::kBlockBytes + (kk & 3) * 32);
+}
+// k_operand(tile, kk) = advance(k_operand(tile, 0), k_step_bytes(kk)).
+template <int Rows, int D>
 __device__ __forceinline__ std::uint64_t k_operand(std::uint32_t tile, int kk) {
-  return sw128_descriptor(tile + (kk >> 2) * Sw128Tile<Rows, D>::kBlockBytes + (kk & 3) * 32, 16, 1024);
+  return sw128_descriptor(tile + k_step_bytes<Rows, D>(kk), 16, 1024);
 }
 
 // B = V for k-step ks (tile rows [16 ks, 16 ks + 16)) of a V tile [Rows][D] (Sw128Tile): MN-major,
 // 64-column blocks kBlockBytes apart (leading), 8-row atoms 1024 bytes apart (stride).
+// v_operand(tile, ks) = advance(v_operand(tile, 0), 2048 ks).
 template <int Rows, int D>
 __device__ __forceinline__ std::uint64_t v_operand(std::uint32_t tile, int ks) {
   return sw128_descriptor(tile + ks * 16 * 128, Sw128Tile<Rows, D>::kBlockBytes, 1024);

@@ -239,7 +239,12 @@ class TableAttention {
         constexpr int smem = kernels::WgmmaPrefill<D>::kAllocation;
         CELLKV_CUDA_THROW(cudaFuncSetAttribute(kernels::prefill_wgmma<In, D, Rows>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        prefill_grid_ = sms;
+        cudaFuncAttributes attributes{};
+        CELLKV_CUDA_THROW(cudaFuncGetAttributes(&attributes, kernels::prefill_wgmma<In, D, Rows>));
+        // The registers the warpgroups keep must fit what the block is launched with (a compiler
+        // that gave the kernel fewer would make setmaxnreg wait); else the mma.sync kernel runs.
+        wgmma_prefill_ = attributes.numRegs * kernels::kWgmmaPrefillThreads >= kernels::kWgmmaRegisterNeed;
+        if (wgmma_prefill_) prefill_grid_ = sms;
       }
     }
     auto* shared = kernels::shared_prefix_attention<In, D, kPrefillStages<D>, Rows, S>;
