@@ -106,16 +106,17 @@ struct ItemRows {
   }
 };
 
-// Query rows [0, Rows) of `it` (zeros past it.rows) into a swizzled shared tile, by threads
-// [0, Threads) of the block (thread `thread`).
-template <int D, int Rows, int Threads, class T, class QRows>
+// Query rows [0, Rows) of `it` (zeros past it.rows) into a swizzled shared tile (Layout::offset(row,
+// chunk): SwizzledTile for ldmatrix, Sw128Tile for wgmma), by threads [0, Threads) of the block
+// (thread `thread`).
+template <int D, int Rows, int Threads, class Layout = SwizzledTile<D>, class T, class QRows>
 __device__ void load_queries(const T* q, int heads_q, const QRows& it, int hk, std::uint32_t q_dst, int thread) {
   constexpr int kChunks = D / 8;
   for (int i = thread; i < Rows * kChunks; i += Threads) {
     const int r = i / kChunks, chunk = i % kChunks;
     const bool valid = r < it.rows;
     const std::int64_t off = valid ? (static_cast<std::int64_t>(it.token(r)) * heads_q + it.head(hk, r)) * D + chunk * 8 : 0;
-    cp_async_16(q_dst + SwizzledTile<D>::offset(r, chunk), q + off, valid);
+    cp_async_16(q_dst + Layout::offset(r, chunk), q + off, valid);
   }
 }
 

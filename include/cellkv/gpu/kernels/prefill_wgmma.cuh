@@ -3,26 +3,26 @@
 //
 // Work item = (prefill item, KV head), as prefill_attention.cuh: kPrefillRows (128) query rows of
 // one segment (token x GQA head of the group). Block: three warpgroups.
-//   producer  (warpgroup 0, 56 registers a thread): per item, the item's queries into the query
-//             tile, then every KV tile the item reads (kPrefillTile positions, gathered row by row
-//             through the position table with cp.async, holes and unread positions zero-filled)
-//             into a ring of Stages stages, with the tile's absent columns beside it; tile k by
-//             producer warp k % 4.
-//   consumers (warpgroups 1 and 2, 224 registers): rows [64 c, 64 c + 64) of the item each; the
+//   producer  (warpgroup 0, kProducerRegisters a thread): per item, the item's queries into the
+//             query tile, then every wide KV tile the item reads (kWgmmaTile = 128 positions,
+//             gathered row by row through the position table with cp.async, holes and unread
+//             positions zero-filled) into a ring of Stages stages, with the tile's absent columns
+//             beside it; warp w gathers rows [32 w, 32 w + 32) of every tile.
+//   consumers (warpgroups 1 and 2, kConsumerRegisters): rows [64 c, 64 c + 64) of the item each; the
 //             queries as register A fragments, then per tile S = Q K^T (wgmma, K from the stage),
 //             mask and online softmax in registers (attention_tiles.cuh: the accumulator layout is
 //             mma.sync's), O += P V (wgmma, P from registers, V from the stage). A consumer whose
 //             rows cannot see a tile skips its MMAs (causal and window by position ranges; tiles
 //             wholly inside every row's range are not masked).
-// Hand-over, by mbarriers: full[s] completes when the producer warp's copies into stage s have
-// landed (cp.async.mbarrier.arrive) and its lane 0 has written the absent mask; empty[s] when all
+// Hand-over, by mbarriers: full[s] completes when the producer's copies into stage s have landed
+// (cp.async.mbarrier.arrive) and each producer warp's lane 0 has written its absent bits; empty[s] when all
 // 256 consumer threads are done with it. q_full / q_empty do the same for
 // the query tile, so the next item's queries load while the consumers finish the current one. The
 // consumers fence the async proxy before their wgmmas read what cp.async (generic proxy) wrote.
 //
 // Dynamic shared memory (WgmmaPrefill<D>, 1024-byte aligned inside the allocation):
-//   Stages x (K tile, V tile) [kPrefillTile x D] T (Sw128Tile) | Q tile [kPrefillRows x D] T
-//   (SwizzledTile) | absent [Stages] u64 | barriers full[Stages], empty[Stages], q_full, q_empty
+//   Stages x (K tile, V tile) [kWgmmaTile x D] T (Sw128Tile) | Q tile [kPrefillRows x D] T
+//   (SwizzledTile) | absent [Stages][2] u64 | barriers full[Stages], empty[Stages], q_full, q_empty
 // Grid: persistent, one block per SM. Only pools of T (not fp8), D = 64 and 128.
 #pragma once
 
@@ -51,9 +51,13 @@ inline constexpr int kProducerWarps = kWarpgroup / 32;
 // the dispatch checks): the increase could otherwise wait on registers another block holds (a
 // dependent launch's, itself waiting on this kernel). With 64 + 224 (the whole register file) the
 // kernel hung on 2026-12-02.
-inline constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
+inline constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 inline constexpr int kWgmmaRegisterNeed = kWarpgroup * (kProducerRegisters + 2 * kConsumerRegisters);
 static_assert(kPrefillRows == 2 * kConsumerRows, "two consumer warpgroups cover an item");
+// Key positions of a KV tile: two of the position table's kPrefillTile tiles, so S is one m64n128
+// wgmma group and the per-tile work (barriers, softmax reductions, rescale) is spread over 128 keys.
+inline constexpr int kWgmmaTile = 2 * kPrefillTile;
+inline constexpr int kWideN = kWgmmaTile / 8;  // 8-column blocks of S a thread holds
 
 // Head dims the kernel serves.
 constexpr bool wgmma_prefill_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
@@ -61,22 +65,20 @@ constexpr bool wgmma_prefill_supports(int head_dim) { return head_dim == 64 || h
 // Shared-memory layout for head dim D (byte offsets from the 1024-aligned base).
 template <int D>
 struct WgmmaPrefill {
-  static constexpr int kStages = D <= 64 ? 8 : 5;
-  // A producer warp waits on empty[s] by parity only: its previous tile (k - 4) must be at most one
-  // phase behind, which needs at least as many stages as producer warps.
-  static_assert(kStages >= kProducerWarps, "the ring needs a stage per producer warp at least");
-  using KV = Sw128Tile<kPrefillTile, D>;
+  static constexpr int kStages = D <= 64 ? 6 : 3;
+  using KV = Sw128Tile<kWgmmaTile, D>;
   static constexpr int kStageBytes = 2 * KV::kBytes;  // K tile, then V tile
+  using QTile = Sw128Tile<kPrefillRows, D>;  // read by the wgmmas as A, K-major like K
   static constexpr int kQ = kStages * kStageBytes;
   static constexpr int kAbsent = kQ + kPrefillRows * D * 2;
-  static constexpr int kBarriers = kAbsent + 8 * kStages;
+  static constexpr int kBarriers = kAbsent + 16 * kStages;
   static constexpr int kBytes = kBarriers + 8 * (2 * kStages + 2);
   static constexpr int kAllocation = kBytes + 1024;  // room to align the base
 };
 
 // The four barriers' roles, in shared memory.
 struct PrefillBarriers {
-  std::uint64_t* full;   // [Stages] count: a producer warp's lanes (async arrivals) + its lane 0
+  std::uint64_t* full;   // [Stages] count: producer threads (async arrivals) + each producer warp's lane 0
   std::uint64_t* empty;  // [Stages] count: consumer threads
   std::uint64_t* q_full;   // count: producer threads (async arrivals)
   std::uint64_t* q_empty;  // count: consumer threads
@@ -87,81 +89,103 @@ __device__ __forceinline__ void wait_phase(std::uint64_t* bar, std::uint32_t par
   }
 }
 
-// One KV tile into stage `stage`, by one producer warp: the row ids of its kPrefillTile positions
-// (lane l reads positions l and l + 32), the absent mask from them, then every 16-byte chunk of K
-// and V (lane l copies chunk l % C of rows l / C, l / C + 32 / C, ..: C = D / 8 chunks a row), the
-// row id of each row passed from the lane that read it.
+// Where a loop is in the ring of stages: the stage of a tile and its phase parity.
+template <int Stages>
+struct RingCursor {
+  int stage = 0;
+  std::uint32_t phase = 0;
+  __device__ __forceinline__ void next() {
+    if (++stage == Stages) stage = 0, phase ^= 1u;
+  }
+};
+
+// The item's KV tiles in wide tiles: wide tile first + j covers positions [kWgmmaTile (first + j),
+// kWgmmaTile (first + j + 1)), the position-table tiles of `span` and at most one more at each end
+// (its positions are outside what the item reads: absent).
+struct WideSpan {
+  int first = 0, count = 0;
+};
+__device__ __forceinline__ WideSpan wide_span(const TileSpan& span) {
+  if (span.count <= 0) return {};
+  const int first = span.first / 2, last = (span.first + span.count - 1) / 2;
+  return {first, last - first + 1};
+}
+
+// One wide KV tile (positions key0 ..) into stage `stage`, rows [32 warp, 32 warp + 32) by this
+// producer warp: lane l reads the row id of row 32 warp + l, lane 0 writes the warp's 32 absent bits
+// (absent[warp]), then every 16-byte chunk of K and V of the warp's rows (lane l copies chunk l % C
+// of rows l / C, l / C + 32 / C, ..: C = D / 8 chunks a row), each row id passed from its lane.
 template <class T, int D, class Rows>
-__device__ __forceinline__ void produce_tile(const PrefillArgs<T, Rows>& a, const TileSource& src, int j,
-                                             std::uint32_t stage, std::uint64_t& absent, int lane) {
+__device__ __forceinline__ void produce_tile(const PrefillArgs<T, Rows>& a, const TileSource& src, int key0,
+                                             std::uint32_t stage, std::uint32_t* absent, int warp, int lane) {
+  using KV = typename WgmmaPrefill<D>::KV;
   constexpr int kChunks = D / 8, kRowStep = 32 / kChunks;
-  static_assert(32 % kChunks == 0 && kPrefillTile == 64, "whole rows per pass; two positions a lane");
-  const int base = (src.span.first + j) * kPrefillTile;
-  const int id0 = prefill_row_id(a.rows, src.seq, base, src.seen, lane);
-  const int id1 = prefill_row_id(a.rows, src.seq, base, src.seen, lane + 32);
-  const std::uint64_t missing = absent_columns(id0, id1);
-  if (lane == 0) absent = missing;
+  static_assert(32 % kChunks == 0 && kPrefillTile % 32 == 0, "whole rows per pass; a warp's rows in one table tile");
+  const int row0 = 32 * warp, table_tile = row0 / kPrefillTile * kPrefillTile;
+  const int id = prefill_row_id(a.rows, src.seq, key0 + table_tile, src.seen, row0 - table_tile + lane);
+  const std::uint32_t missing = __ballot_sync(0xffffffffu, id < 0);
+  if (lane == 0) absent[warp] = missing;
   const int chunk = lane % kChunks;
-#pragma unroll 4
-  for (int row = lane / kChunks; row < kPrefillTile; row += kRowStep) {
-    const int from0 = __shfl_sync(0xffffffffu, id0, row % 32), from1 = __shfl_sync(0xffffffffu, id1, row % 32);
-    const int id = row < 32 ? from0 : from1;
-    const std::int64_t off = id >= 0 ? a.pool.offset(id, src.hk) + chunk * 8 : 0;
-    const std::uint32_t dst = stage + WgmmaPrefill<D>::KV::offset(row, chunk);
-    cp_async_16(dst, a.pool.k + off, id >= 0);
-    cp_async_16(dst + WgmmaPrefill<D>::KV::kBytes, a.pool.v + off, id >= 0);
+  // Unrolled whole for D 64 (8 passes); one pass at a time for D 128, where an unrolled loop
+  // needs more registers than kProducerRegisters.
+  constexpr int kUnroll = D <= 64 ? 32 / kRowStep : 1;
+#pragma unroll kUnroll
+  for (int row = lane / kChunks; row < 32; row += kRowStep) {
+    const int from = __shfl_sync(0xffffffffu, id, row);
+    const std::int64_t off = from >= 0 ? a.pool.offset(from, src.hk) + chunk * 8 : 0;
+    const std::uint32_t dst = stage + KV::offset(row0 + row, chunk);
+    cp_async_16(dst, a.pool.k + off, from >= 0);
+    cp_async_16(dst + KV::kBytes, a.pool.v + off, from >= 0);
   }
 }
 
 // The producer warpgroup (thread t = threadIdx.x in [0, 128)): the queries of every item the block
-// takes (all four warps), and its KV tiles, tile k by warp k % 4, so four tiles' table reads and
-// copies are under way at once.
+// takes, then its wide KV tiles through the ring, all four warps on every tile.
 template <class T, int D, class Rows>
-__device__ void produce_prefill(const PrefillArgs<T, Rows>& a, std::uint32_t base, std::uint64_t* absent,
+__device__ void produce_prefill(const PrefillArgs<T, Rows>& a, std::uint32_t base, std::uint32_t* absent,
                                 const PrefillBarriers& bar) {
   using L = WgmmaPrefill<D>;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
   const int items = a.work.prefill_count() * a.pool.heads_kv;
-  int k = 0, n = 0;  // tiles and items issued so far
-  for (int item = blockIdx.x; item < items; item += gridDim.x, ++n) {
+  RingCursor<L::kStages> ring;  // the next stage to fill
+  for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
     const PrefillWork w = prefill_work(a, item);
     const TileSource src = tile_source(w.rows, w.hk, a.window, w.own_begin);
+    const WideSpan span = wide_span(src.span);
     wait_phase(bar.q_empty, (n & 1) ^ 1);
-    load_queries<D, kPrefillRows, kWarpgroup>(a.q, a.heads_q, w.rows, w.hk, base + L::kQ, t);
+    load_queries<D, kPrefillRows, kWarpgroup, typename L::QTile>(a.q, a.heads_q, w.rows, w.hk, base + L::kQ, t);
     ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.q_full);
-    for (int j = 0; j < src.span.count; ++j, ++k) {
-      if (k % kProducerWarps != warp) continue;
-      const int s = k % L::kStages;
-      wait_phase(bar.empty + s, ((k / L::kStages) & 1) ^ 1);
-      produce_tile<T, D>(a, src, j, base + static_cast<std::uint32_t>(s * L::kStageBytes), absent[s], lane);
-      ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.full + s);
-      if (lane == 0) (void)::cuda::ptx::mbarrier_arrive(bar.full + s);  // after writing absent[s]
+    for (int j = 0; j < span.count; ++j, ring.next()) {
+      wait_phase(bar.empty + ring.stage, ring.phase ^ 1u);
+      produce_tile<T, D>(a, src, (span.first + j) * kWgmmaTile,
+                         base + static_cast<std::uint32_t>(ring.stage * L::kStageBytes), absent + 4 * ring.stage,
+                         warp, lane);
+      ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.full + ring.stage);
+      if (lane == 0) (void)::cuda::ptx::mbarrier_arrive(bar.full + ring.stage);  // after writing absent[warp]
     }
   }
   cp_async_wait<0>();
 }
 
-// Issues S (64 x kPrefillTile, this thread's share) = Q K^T over the K tile at k_tile, one group.
+// Issues S (64 x kWgmmaTile, this thread's share) = Q K^T, one group: the warpgroup's 64 query
+// rows from q_rows (rows of the Q tile, QTile), the K tile at k_tile.
 template <class T, int D>
-__device__ __forceinline__ void issue_scores(float (&s)[kPrefillTile / 8][4], const QFragments<D>& q,
-                                             std::uint32_t k_tile, int lane) {
-  const std::uint64_t k0 = k_operand<kPrefillTile, D>(k_tile, 0);
+__device__ __forceinline__ void issue_scores(float (&s)[kWideN][4], std::uint32_t q_rows, std::uint32_t k_tile) {
+  static_assert(kWgmmaTile == 128, "S is one m64n128 group");
+  const std::uint64_t q0 = k_operand<kPrefillRows, D>(q_rows, 0), k0 = k_operand<kWgmmaTile, D>(k_tile, 0);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    std::uint32_t a[4];
-    q.get(a, kk, lane);
-    wgmma_rs<T, kPrefillTile, false>(s, a, advance(k0, k_step_bytes<kPrefillTile, D>(kk)), kk > 0);
-  }
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma_ss128<T>(s, advance(q0, k_step_bytes<kPrefillRows, D>(kk)), advance(k0, k_step_bytes<kWgmmaTile, D>(kk)),
+                   kk > 0);
   wgmma_commit();
 }
 
 // Probabilities (a tile of scores after the softmax) as the A fragments of O += P V.
 template <class T>
-__device__ __forceinline__ void pack_probabilities(std::uint32_t (&a)[kPrefillTile / 16][4],
-                                                   const float (&p)[kPrefillTile / 8][4]) {
+__device__ __forceinline__ void pack_probabilities(std::uint32_t (&a)[kWideN / 2][4], const float (&p)[kWideN][4]) {
 #pragma unroll
-  for (int ks = 0; ks < kPrefillTile / 16; ++ks) {
+  for (int ks = 0; ks < kWideN / 2; ++ks) {
     a[ks][0] = pack2<T>(p[2 * ks][0], p[2 * ks][1]);
     a[ks][1] = pack2<T>(p[2 * ks][2], p[2 * ks][3]);
     a[ks][2] = pack2<T>(p[2 * ks + 1][0], p[2 * ks + 1][1]);
@@ -171,12 +195,12 @@ __device__ __forceinline__ void pack_probabilities(std::uint32_t (&a)[kPrefillTi
 
 // Issues o (64 x D, this thread's share) += P V over the V tile at v_tile, one group; a: P packed.
 template <class T, int D>
-__device__ __forceinline__ void issue_values(float (&o)[D / 8][4], const std::uint32_t (&a)[kPrefillTile / 16][4],
+__device__ __forceinline__ void issue_values(float (&o)[D / 8][4], const std::uint32_t (&a)[kWideN / 2][4],
                                              std::uint32_t v_tile) {
-  const std::uint64_t v0 = v_operand<kPrefillTile, D>(v_tile, 0);
+  const std::uint64_t v0 = v_operand<kWgmmaTile, D>(v_tile, 0);
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < kPrefillTile / 16; ++ks) wgmma_rs<T, D, true>(o, a[ks], advance(v0, 2048u * ks), true);
+  for (int ks = 0; ks < kWideN / 2; ++ks) wgmma_rs<T, D, true>(o, a[ks], advance(v0, 2048u * ks), true);
   wgmma_commit();
 }
 
@@ -187,29 +211,43 @@ struct WarpRows {
   int last_sees_from = 0;      // visible_begin(window, last): tiles from here to first need no mask
   __device__ WarpRows(const ItemRows& mine, int window)
       : rows(mine), first(mine.first()), last(mine.last()), last_sees_from(visible_begin(window, last)) {}
+  // Whether every row sees every position of [key0, key0 + keys).
+  __device__ __forceinline__ bool sees_all(int key0, int keys) const {
+    return key0 >= last_sees_from && key0 + keys - 1 <= first;
+  }
 };
 
-// Raw scores of a warp's rows over the tile at key0: -inf where a row may not see a column's
-// position or the column is absent; untouched when every row sees every column.
-__device__ __forceinline__ void mask_scores(float (&s)[kPrefillTile / 8][4], const WarpRows& w, int key0, int window,
-                                            std::uint64_t absent, int lane) {
-  const bool full = key0 >= w.last_sees_from && key0 + kPrefillTile - 1 <= w.first;
-  if (full && absent == 0 && w.rows.rows == 16) return;
-  mask_tile<kPrefillTile / 8>(s, w.rows.rows, [&](int r) { return w.rows.qpos(r); }, key0, window, full, absent,
-                              [](int, int, int) { return 1.f; }, lane);
+// Columns [64 h, 64 h + 64) of a wide tile's scores (mask_tile takes 64 columns at a time).
+__device__ __forceinline__ float (&table_tile_of(float (&s)[kWideN][4], int h))[kWideN / 2][4] {
+  return *reinterpret_cast<float(*)[kWideN / 2][4]>(&s[h * (kWideN / 2)]);
+}
+
+// Raw scores of a warp's rows over the wide tile at key0: -inf where a row may not see a column's
+// position or the column is absent (absent[h]: columns [64 h, 64 h + 64)); untouched when every row
+// sees every column.
+__device__ __forceinline__ void mask_scores(float (&s)[kWideN][4], const WarpRows& w, int key0, int window,
+                                            const std::uint64_t* absent, int lane) {
+  const std::uint64_t lo = absent[0], hi = absent[1];
+  if (w.rows.rows == 16 && (lo | hi) == 0 && w.sees_all(key0, kWgmmaTile)) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int from = key0 + h * kPrefillTile;
+    mask_tile<kWideN / 2>(table_tile_of(s, h), w.rows.rows, [&](int r) { return w.rows.qpos(r); }, from, window,
+                          w.sees_all(from, kPrefillTile), h ? hi : lo, [](int, int, int) { return 1.f; }, lane);
+  }
 }
 
 // Masked raw scores -> probabilities (RowState's online softmax, scale_log2 folded into the
 // exponent when positive); corr: the factors o's rows must take.
 template <int D>
-__device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[kPrefillTile / 8][4], float scale_log2,
+__device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[kWideN][4], float scale_log2,
                                              float (&corr)[2]) {
   if (scale_log2 > 0.f) {
     st.to_probabilities_scaled(s, scale_log2, corr);
     return;
   }
 #pragma unroll
-  for (int n = 0; n < kPrefillTile / 8; ++n)
+  for (int n = 0; n < kWideN; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;  // -inf x a negative scale: +inf; no user does this
   st.to_probabilities(s, corr);
@@ -223,25 +261,15 @@ __device__ __forceinline__ void rescale_rows(RowState<D>& st, const float (&corr
   st.rescale(1, corr[1]);
 }
 
-// Where the consumers are in the ring of stages: the stage of a tile and its phase parity.
-template <int Stages>
-struct RingCursor {
-  int stage = 0;
-  std::uint32_t phase = 0;
-  __device__ __forceinline__ void next() {
-    if (++stage == Stages) stage = 0, phase ^= 1u;
-  }
-};
-
-// Tiles [lo, hi) of src that rows `rows` see (causal and window by position ranges): the
+// Wide tiles [lo, hi) of `span` that rows `rows` see (causal and window by position ranges): the
 // consumer's MMAs skip the others. Empty when the rows are none.
 struct TileRange {
   int lo = 0, hi = 0;
 };
-__device__ inline TileRange tiles_of(const ItemRows& rows, const TileSource& src, int window) {
+__device__ inline TileRange tiles_of(const ItemRows& rows, const WideSpan& span, int window) {
   if (rows.rows <= 0) return {};
-  const int lo = max(0, visible_begin(window, rows.first()) / kPrefillTile - src.span.first);
-  const int hi = min(src.span.count, rows.last() / kPrefillTile - src.span.first + 1);
+  const int lo = max(0, visible_begin(window, rows.first()) / kWgmmaTile - span.first);
+  const int hi = min(span.count, rows.last() / kWgmmaTile - span.first + 1);
   return {lo, max(lo, hi)};
 }
 
@@ -266,38 +294,43 @@ __device__ void consume_prefill(const PrefillArgs<T, Rows>& a, int c, std::uint3
   auto k_tile = [&](const Cursor& t) { return base + static_cast<std::uint32_t>(t.stage * L::kStageBytes); };
   for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
     const PrefillWork w = prefill_work(a, item);
-    const TileSource src = tile_source(w.rows, w.hk, a.window, w.own_begin);
+    const WideSpan span = wide_span(tile_source(w.rows, w.hk, a.window, w.own_begin).span);
     const ItemRows rows = sub_rows(w.rows, kConsumerRows * c, kConsumerRows);  // the warpgroup's
     const WarpRows mine(rows.for_warp(warp, lane), a.window);
+    // The warpgroup's rows of the Q tile: 64 rows down its 64-column blocks (8-row atoms keep their
+    // 1024-byte alignment, so the swizzle holds).
+    const std::uint32_t q_rows = base + L::kQ + static_cast<std::uint32_t>(kConsumerRows * c * 128);
     wait_phase(bar.q_full, n & 1);
-    QFragments<D> q;
-    q.init(base + L::kQ, kConsumerRows * c + 16 * warp, lane);
-    (void)::cuda::ptx::mbarrier_arrive(bar.q_empty);
-    auto scores = [&](float (&s)[kPrefillTile / 8][4], int j, const Cursor& t) {  // once S of tile j is done
-      mask_scores(s, mine, (src.span.first + j) * kPrefillTile, a.window, absent[t.stage], lane);
+    // The producer may load the next item's queries once both warpgroups' last S is done.
+    auto queries_done = [&] { (void)::cuda::ptx::mbarrier_arrive(bar.q_empty); };
+    auto scores = [&](float (&s)[kWideN][4], int j, const Cursor& t) {  // once S of tile j is done
+      mask_scores(s, mine, (span.first + j) * kWgmmaTile, a.window, absent + 2 * t.stage, lane);
     };
     RowState<D> st;
-    const TileRange seen = tiles_of(rows, src, a.window);
+    const TileRange seen = tiles_of(rows, span, a.window);
     for (int j = 0; j < seen.lo; ++j) release(take());
+    if (seen.lo == seen.hi) queries_done();
     if (seen.lo < seen.hi) {
-      float s[kPrefillTile / 8][4] = {};
+      float s[kWideN][4] = {};
       float corr[2];
-      std::uint32_t p[kPrefillTile / 16][4];
+      std::uint32_t p[kWideN / 2][4];
       Cursor prev = take();
       ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);  // cp.async's writes, to the wgmma reads
-      issue_scores<T, D>(s, q, k_tile(prev), lane);
+      issue_scores<T, D>(s, q_rows, k_tile(prev));
       wgmma_wait<0>();
       fence_accumulators(s);
+      if (seen.lo + 1 == seen.hi) queries_done();
       scores(s, seen.lo, prev);
       softmax_tile(st, s, a.scale_log2, corr);  // o is still zero
       pack_probabilities<T>(p, s);
       for (int j = seen.lo + 1; j < seen.hi; ++j) {
         const Cursor t = take();
         ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);
-        issue_scores<T, D>(s, q, k_tile(t), lane);
+        issue_scores<T, D>(s, q_rows, k_tile(t));
         issue_values<T, D>(st.o, p, k_tile(prev) + L::KV::kBytes);
         wgmma_wait<1>();  // S of tile j
         fence_accumulators(s);
+        if (j + 1 == seen.hi) queries_done();
         scores(s, j, t);
         softmax_tile(st, s, a.scale_log2, corr);
         wgmma_wait<0>();  // P V of tile j - 1
@@ -312,7 +345,7 @@ __device__ void consume_prefill(const PrefillArgs<T, Rows>& a, int c, std::uint3
       fence_accumulators(st.o);
       release(prev);
     }
-    for (int j = seen.hi; j < src.span.count; ++j) release(take());
+    for (int j = seen.hi; j < span.count; ++j) release(take());
     write_rows<T, D>(a, mine.rows, w.hk, st, lane);
   }
 }
@@ -325,12 +358,12 @@ __global__ void __launch_bounds__(kWgmmaPrefillThreads, 1) prefill_wgmma(Prefill
   extern __shared__ __align__(128) unsigned char smem[];  // aligned to 1024 below
   const std::uint32_t raw = smem_addr(smem), base = (raw + 1023u) & ~1023u;
   unsigned char* aligned = smem + (base - raw);
-  auto* absent = reinterpret_cast<std::uint64_t*>(aligned + L::kAbsent);
+  auto* absent = reinterpret_cast<std::uint64_t*>(aligned + L::kAbsent);  // [Stages][2]
   auto* barriers = reinterpret_cast<std::uint64_t*>(aligned + L::kBarriers);
   const PrefillBarriers bar{barriers, barriers + L::kStages, barriers + 2 * L::kStages, barriers + 2 * L::kStages + 1};
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      ::cuda::ptx::mbarrier_init(bar.full + s, 32 + 1);  // one producer warp's copies, and its lane 0
+      ::cuda::ptx::mbarrier_init(bar.full + s, kWarpgroup + kProducerWarps);  // the copies, each warp's lane 0
       ::cuda::ptx::mbarrier_init(bar.empty + s, 2 * kWarpgroup);
     }
     ::cuda::ptx::mbarrier_init(bar.q_full, kWarpgroup);
@@ -342,7 +375,7 @@ __global__ void __launch_bounds__(kWgmmaPrefillThreads, 1) prefill_wgmma(Prefill
   a.guard.check(a.work);
   if (threadIdx.x < kWarpgroup) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
-    produce_prefill<T, D>(a, base, absent, bar);
+    produce_prefill<T, D>(a, base, reinterpret_cast<std::uint32_t*>(absent), bar);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
     consume_prefill<T, D>(a, threadIdx.x / kWarpgroup - 1, base, absent, bar);

@@ -164,6 +164,27 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const std::uint32
 #endif
 }
 
+// d (64 x 128, this thread's share) = A (64 x 16, descriptor a) x B (16 x 128, descriptor b) +
+// (accumulate ? d : 0), both K-major (k_operand), issued asynchronously as wgmma_rs. Only on sm_90a.
+#define CELLKV_WGMMA_SS128(TYPE)                                                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                       \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " CELLKV_WGMMA_D128                  \
+               ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                                   \
+               : CELLKV_WGMMA_OPS128                                                                               \
+               : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
+template <class T>
+__device__ __forceinline__ void wgmma_ss128(float (&d)[16][4], std::uint64_t a, std::uint64_t b, bool accumulate) {
+  static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bf16 or fp16 operands");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) CELLKV_WGMMA_SS128("bf16");
+  else CELLKV_WGMMA_SS128("f16");
+#else
+  (void)d, (void)a, (void)b, (void)accumulate;
+  __trap();
+#endif
+}
+
+#undef CELLKV_WGMMA_SS128
 #undef CELLKV_WGMMA_RS_TYPES
 #undef CELLKV_WGMMA_RS
 #undef CELLKV_WGMMA_OPS256
