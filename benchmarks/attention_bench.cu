@@ -1,14 +1,21 @@
-// attention_bench: cellkv's attention on the reference shapes (bf16, H_q 32, H_kv 8,
-// D 128), one layer, timed with CUDA events: warm-up, then the median over samples of many
-// back-to-back calls. Prints JSON lines (benchmarks/report.py merges them with peers.py's) and a
-// table on stderr. Not a test.
+// attention_bench: cellkv's attention on the reference shapes (bf16, H_q 32, H_kv 8, D 128
+// unless a shape says otherwise), one layer, timed with CUDA events: warm-up, then the median over
+// samples of many back-to-back calls. Prints JSON lines (benchmarks/report.py merges them with
+// peers.py's) and a table on stderr. Not a test.
 //
 //   decode  N x L: N sequences holding L cells each, one new token per sequence; effective TB/s =
 //           live K+V bytes (N L H_kv D 2 bytes x 2) / time of one attention call (write excluded);
 //           for the fp8 cache (impl cellkv_cell_fp8) the same bf16 bytes: bf16-equivalent TB/s
 //   prefill N x L: one step of N sequences x L tokens, causal; useful TFLOP/s = 4 N L(L+1)/2 H_q D / time
+//           (shapes 1x8k_d64 and 1x8k_d256: the same at head dim 64 / 256, clustered<64> only)
 //   decode_forks N x 4k_shared: one 4,096-token prompt and N - 1 forks, one new token each; logical
 //           TB/s = N x 4,097 rows of K+V / time (with and without prefix sharing)
+//   mixed 128x2k+2x1k: one continuous-batching step of 128 decode tokens (128 sequences holding
+//           2,048 cells each, one new token each) and 2 prompt chunks of 1,024 tokens (two fresh
+//           sequences, positions 0..1023), clustered<64>; ms of the mixed step (cellkv_mixed), of
+//           its 128 decode tokens alone (cellkv_decode_part) and of its two chunks alone
+//           (cellkv_prefill_part), each on the same cache contents, and mixed / (decode + prefill)
+//           (cellkv_mixed_over_parts, unit x)
 //   overhead: declare + upload (step block, each window's work, position-table writes) of 256 decode tokens
 //           over 256k cells, wall time from declare to the stream being idle
 //
@@ -17,7 +24,8 @@
 // keeps each sequence in aligned blocks of its own. The table kernels read both at the same speed
 // (cellkv-bench-churn measures a cache after long serving churn).
 //
-//   build/benchmarks/cellkv-bench-attention [--quick] [--out FILE] [--only decode | --only decode:16x4k]
+//   build/benchmarks/cellkv-bench-attention [--quick] [--out FILE] [--only WORK | --only WORK:SHAPE]
+//   (e.g. --only decode, --only decode:16x4k, --only prefill:1x8k_d64, --only mixed)
 #include <cellkv/cellkv.hpp>
 #include <cellkv/gpu/device_cache.cuh>
 #include <cellkv/gpu/stream.hpp>
@@ -56,13 +64,16 @@ struct Options {
   }
 };
 
-// One attention layer of a cache with random K/V and queries for the declared step.
+// Declares `step` (each of its sequences grows by its tokens there; nothing is committed or
+// rewound), uploads it, writes random K/V for its tokens, then times one attention layer over it
+// with random queries (q [T, H_q, D], D the cache's head dim): the attend calls alone.
 template <class Cache>
 double time_step(Cache& cache, const std::vector<std::int32_t>& step, gpu::Stream& stream, int reps, int samples) {
   if (!cache.declare_step(step).ok()) throw std::runtime_error("declare_step refused");
   const auto T = static_cast<std::int32_t>(step.size());
-  gpu::DeviceBuffer<bf16> q(static_cast<std::size_t>(T) * kHq * kD), out(q.size()),
-      kv(static_cast<std::size_t>(T) * kHkv * kD);
+  const std::int32_t d = cache.pool().shape().head_dim;
+  gpu::DeviceBuffer<bf16> q(static_cast<std::size_t>(T) * kHq * d), out(q.size()),
+      kv(static_cast<std::size_t>(T) * kHkv * d);
   randomize(q.data(), q.size(), 1);
   randomize(kv.data(), kv.size(), 2);
   if (!cache.upload(stream).ok()) throw std::runtime_error("upload refused");
@@ -70,13 +81,14 @@ double time_step(Cache& cache, const std::vector<std::int32_t>& step, gpu::Strea
   return time_ms([&] { (void)cache.attend(0, q.data(), out.data(), T, kHq, 0.f, stream); }, stream.get(), reps, samples);
 }
 
-// A one-layer cache of the benchmark's shape whose pool holds random values.
+// A one-layer cache of the benchmark's shape (head dim `head_dim`) whose pool holds random values.
 template <class Cache>
 struct BenchCache {
   Cache cache;
-  BenchCache(std::int32_t max_write, std::int32_t max_cells, std::int32_t seqs, std::int32_t max_len)
+  BenchCache(std::int32_t max_write, std::int32_t max_cells, std::int32_t seqs, std::int32_t max_len,
+             std::int32_t head_dim = kD)
       : cache({.max_write = max_write, .max_cells = max_cells, .max_seqs = seqs, .max_len = max_len},
-              {.layers = 1, .heads_kv = kHkv, .head_dim = kD, .heads_q = kHq}) {
+              {.layers = 1, .heads_kv = kHkv, .head_dim = head_dim, .heads_q = kHq}) {
     const auto storage = cache.pool().storage();
     randomize(storage.data(), storage.size(), 3);
     if constexpr (gpu::kFp8Kv<typename Cache::Storage>) {
@@ -103,11 +115,13 @@ void bench_decode(const Options& o, const char* impl, std::int32_t n, std::int32
   bench::emit(o.out, "decode", shape_name(n, len), impl, ms, bytes / (ms * 1e-3) / 1e12, "TB/s");
 }
 
-// Prefill: one step holding every token of N sequences of L tokens (sequence by sequence).
+// Prefill: one step holding every token of N sequences of L tokens (sequence by sequence), head
+// dim d; a head dim other than kD names the shape "NxL_dD" (1x8k_d64).
 template <class Cache>
-void bench_prefill(const Options& o, const char* impl, std::int32_t n, std::int32_t len) {
-  if (!o.wants("prefill", shape_name(n, len))) return;
-  BenchCache<Cache> bench(n * len, n * len + 64, n, len + 64);
+void bench_prefill(const Options& o, const char* impl, std::int32_t n, std::int32_t len, std::int32_t d = kD) {
+  const std::string shape = shape_name(n, len) + (d == kD ? "" : "_d" + std::to_string(d));
+  if (!o.wants("prefill", shape)) return;
+  BenchCache<Cache> bench(n * len, n * len + 64, n, len + 64, d);
   Cache& cache = bench.cache;
   std::vector<std::int32_t> step;
   for (std::int32_t s = 0; s < n; ++s) {
@@ -116,8 +130,8 @@ void bench_prefill(const Options& o, const char* impl, std::int32_t n, std::int3
   }
   gpu::Stream stream;
   const double ms = time_step(cache, step, stream, 5, o.quick ? 3 : 10);
-  const double flops = 4.0 * n * (static_cast<double>(len) * (len + 1) / 2) * kHq * kD;
-  bench::emit(o.out, "prefill", shape_name(n, len), impl, ms, flops / (ms * 1e-3) / 1e12, "TFLOP/s");
+  const double flops = 4.0 * n * (static_cast<double>(len) * (len + 1) / 2) * kHq * d;
+  bench::emit(o.out, "prefill", shape, impl, ms, flops / (ms * 1e-3) / 1e12, "TFLOP/s");
 }
 
 // The same with the mma.sync prefill kernel (the one kept for GPUs without wgmma), which
@@ -148,6 +162,54 @@ void bench_forks(const Options& o, const char* impl, std::int32_t n, bool share)
   const double ms = time_step(cache, ids, stream, 20, o.quick ? 5 : 15);
   const double bytes = static_cast<double>(n) * 4097 * kHkv * kD * 2 * 2;
   bench::emit(o.out, "decode_forks", shape, impl, ms, bytes / (ms * 1e-3) / 1e12, "TB/s");
+}
+
+// Mixed step (continuous batching): `decodes` sequences holding `context` cells each (filled
+// round-robin, as bench_decode fills them) and `chunks` fresh sequences. Three steps are timed on
+// the same cache contents, each followed (untimed) by rewinding every sequence to where it was, so
+// at each timed call the decode sequences hold `context` cells and the chunk sequences none:
+//   mixed         one token of each decode sequence, then `chunk` tokens of each fresh sequence
+//                 (positions 0..chunk-1, causal), in one step
+//   decode part   the decode tokens alone
+//   prefill part  the chunks alone
+// Emits the three times (ms) and mixed / (decode part + prefill part) (unit x; ms: the mixed step's).
+void bench_mixed(const Options& o, std::int32_t decodes, std::int32_t context, std::int32_t chunks,
+                 std::int32_t chunk) {
+  const std::string shape = shape_name(decodes, context) + "+" + shape_name(chunks, chunk);
+  if (!o.wants("mixed", shape)) return;
+  using Cache = gpu::DeviceCache<layout::cell, bf16, Model, placement::clustered<64>>;
+  BenchCache<Cache> bench(decodes + chunks * chunk, decodes * (context + 128) + chunks * (chunk + 128),
+                          decodes + chunks, context + chunk);
+  Cache& cache = bench.cache;
+  std::vector<std::int32_t> decode_ids, chunk_ids;
+  for (std::int32_t s = 0; s < decodes; ++s) decode_ids.push_back(cache.seq_new().value());
+  for (std::int32_t s = 0; s < chunks; ++s) chunk_ids.push_back(cache.seq_new().value());
+  for (std::int32_t t = 0; t < context; ++t)
+    if (!cache.declare_step(decode_ids).ok()) throw std::runtime_error("fill refused");
+  std::vector<std::int32_t> prefill_step;
+  for (const std::int32_t id : chunk_ids) prefill_step.insert(prefill_step.end(), static_cast<std::size_t>(chunk), id);
+  std::vector<std::int32_t> mixed_step = decode_ids;
+  mixed_step.insert(mixed_step.end(), prefill_step.begin(), prefill_step.end());
+
+  gpu::Stream stream;
+  const int reps = 10, samples = o.quick ? 5 : 15;
+  // Times `step`, then puts every sequence back: decode sequences at `context`, chunks empty.
+  auto timed = [&](const std::vector<std::int32_t>& step) {
+    const double ms = time_step(cache, step, stream, reps, samples);
+    stream.synchronize();
+    for (const std::int32_t id : decode_ids)
+      if (!cache.rewind(id, context).ok()) throw std::runtime_error("rewind refused");
+    for (const std::int32_t id : chunk_ids)
+      if (!cache.rewind(id, 0).ok()) throw std::runtime_error("rewind refused");
+    return ms;
+  };
+  const double mixed = timed(mixed_step);
+  const double decode = timed(decode_ids);
+  const double prefill = timed(prefill_step);
+  bench::emit(o.out, "mixed", shape, "cellkv_mixed", mixed, mixed, "ms");
+  bench::emit(o.out, "mixed", shape, "cellkv_decode_part", decode, decode, "ms");
+  bench::emit(o.out, "mixed", shape, "cellkv_prefill_part", prefill, prefill, "ms");
+  bench::emit(o.out, "mixed", shape, "cellkv_mixed_over_parts", mixed, mixed / (decode + prefill), "x");
 }
 
 // Per-step overhead: 256 decode tokens over 256k cells (256 sequences of ~1000 tokens).
@@ -202,7 +264,8 @@ int main(int argc, char** argv) {
   using Fp8Clustered = gpu::DeviceCache<layout::cell, gpu::Fp8<bf16>, Model, placement::clustered<64>>;
   const std::pair<std::int32_t, std::int32_t> decode[] = {{1, 32768}, {16, 4096}, {64, 2048}, {256, 1024}};
   const std::pair<std::int32_t, std::int32_t> prefill[] = {{1, 8192}, {8, 1024}, {4, 4096}};
-  std::fprintf(stderr, "cellkv attention benchmark: bf16, H_q %d, H_kv %d, D %d, one layer\n", kHq, kHkv, kD);
+  std::fprintf(stderr, "cellkv attention benchmark: bf16, H_q %d, H_kv %d, D %d (unless a shape says _dD), one layer\n",
+               kHq, kHkv, kD);
   try {
     for (const auto& [n, len] : decode) {
       bench_decode<Clustered>(o, "cellkv_cell_clustered", n, len);
@@ -221,6 +284,8 @@ int main(int argc, char** argv) {
       bench_prefill<Slots>(o, "cellkv_sequence", n, len);
       bench_prefill<Fp8Clustered>(o, "cellkv_cell_fp8", n, len);
     }
+    for (const std::int32_t d : {64, 256}) bench_prefill<Clustered>(o, "cellkv_cell_clustered", 1, 8192, d);
+    bench_mixed(o, 128, 2048, 2, 1024);
     bench_overhead(o);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "cellkv-bench-attention: %s\n", e.what());

@@ -2,8 +2,8 @@
 """Peer attention timings for cellkv's benchmark report (run on one GPU; H200 in mind).
 
 What is measured
-  Attention forward only, bf16, H_q = 32 query heads, H_kv = 8 KV heads (GQA group 4), D = 128,
-  scale 1/sqrt(D), no autograd.
+  Attention forward only, bf16, H_q = 32 query heads, H_kv = 8 KV heads (GQA group 4), D = 128
+  (unless a shape's name ends in _d<D>), scale 1/sqrt(D), no autograd.
 
   decode  N x L   N sequences, one new query token each, each with L cached tokens; the query
                   sees all L (its own token is the last of them). Metric: effective TB/s =
@@ -11,7 +11,10 @@ What is measured
                   the implementation really reads (a cell pool with a dense mask reads more).
                   Shapes 1x32k, 16x4k, 64x2k, 256x1k.
   prefill N x L   N sequences of L tokens each, causal. Metric: useful TFLOP/s =
-                  4 * N * (L * (L + 1) / 2) * H_q * D / time. Shapes 1x8k, 8x1k, 4x4k.
+                  4 * N * (L * (L + 1) / 2) * H_q * D / time. Shapes 1x8k, 8x1k, 4x4k; and
+                  1x8k_d64, 1x8k_d256: 1x8k at head dim 64 / 256 (scale 1/sqrt of that D, the
+                  metric with that D), sdpa_cudnn_per_seq and sdpa_flash_per_seq only (a backend
+                  that refuses the head dim is skipped with a message on stderr, no JSON line).
 
 Peers (impl names as written to the JSON lines)
   sdpa_cudnn_per_seq, sdpa_flash_per_seq
@@ -72,7 +75,6 @@ import torch.nn.functional as F
 
 H_Q, H_KV, D = 32, 8, 128
 GROUP = H_Q // H_KV
-SCALE = 1.0 / math.sqrt(D)
 DTYPE = torch.bfloat16
 SPARE_CELLS = 128  # free cells at the end of every pool (belong to no sequence)
 RUN = 128  # clustered placement: cells are handed out in runs of this many
@@ -81,6 +83,7 @@ MAX_MASK_BYTES = 4 << 30
 
 DECODE_SHAPES = [(1, 32768), (16, 4096), (64, 2048), (256, 1024)]
 PREFILL_SHAPES = [(1, 8192), (8, 1024), (4, 4096)]
+PREFILL_HEAD_DIM_SHAPES = [(1, 8192, 64), (1, 8192, 256)]  # (N, L, D): the per-seq SDPA peers only
 QUICK_DECODE_SHAPES = [(16, 4096), (256, 1024)]
 QUICK_PREFILL_SHAPES = [(8, 1024)]
 
@@ -93,19 +96,21 @@ def log(*args):
 
 
 class Case:
-    """One shape: N sequences with L tokens of KV each; lq query tokens per sequence."""
+    """One shape: N sequences with L tokens of KV each; lq query tokens per sequence; head dim d
+    (a d other than D adds '_d<d>' to the shape's name)."""
 
-    def __init__(self, work, n, l):
-        self.work, self.n, self.l = work, n, l
+    def __init__(self, work, n, l, d=D):
+        self.work, self.n, self.l, self.d = work, n, l, d
         self.lq = 1 if work == "decode" else l
         self.causal = work == "prefill"
-        self.name = f"{n}x{l // 1024}k"
+        self.scale = 1.0 / math.sqrt(d)
+        self.name = f"{n}x{l // 1024}k" + ("" if d == D else f"_d{d}")
 
     def metric(self, ms):
         if self.work == "decode":
-            live_kv_bytes = self.n * self.l * H_KV * D * 2 * 2
+            live_kv_bytes = self.n * self.l * H_KV * self.d * 2 * 2
             return live_kv_bytes / (ms * 1e-3) / 1e12, "TB/s"
-        flops = 4 * self.n * (self.l * (self.l + 1) // 2) * H_Q * D
+        flops = 4 * self.n * (self.l * (self.l + 1) // 2) * H_Q * self.d
         return flops / (ms * 1e-3) / 1e12, "TFLOP/s"
 
 
@@ -114,9 +119,9 @@ def make_sets(case, count):
     sets = []
     for _ in range(count):
         sets.append({
-            "q": torch.randn(case.n, H_Q, case.lq, D, device="cuda", dtype=DTYPE),
-            "k": torch.randn(case.n, H_KV, case.l, D, device="cuda", dtype=DTYPE),
-            "v": torch.randn(case.n, H_KV, case.l, D, device="cuda", dtype=DTYPE),
+            "q": torch.randn(case.n, H_Q, case.lq, case.d, device="cuda", dtype=DTYPE),
+            "k": torch.randn(case.n, H_KV, case.l, case.d, device="cuda", dtype=DTYPE),
+            "v": torch.randn(case.n, H_KV, case.l, case.d, device="cuda", dtype=DTYPE),
         })
     return sets
 
@@ -136,12 +141,12 @@ def set_bytes(tensors):
 
 def reference(case, s):
     """Float32 attention per sequence (GQA by repeating K/V heads); [N, H_q, Lq, D]."""
-    out = torch.empty(case.n, H_Q, case.lq, D, device="cuda", dtype=torch.float32)
+    out = torch.empty(case.n, H_Q, case.lq, case.d, device="cuda", dtype=torch.float32)
     for i in range(case.n):
         q = s["q"][i].float()  # [H_q, Lq, D]
         k = s["k"][i].float().repeat_interleave(GROUP, dim=0)  # [H_q, L, D]
         v = s["v"][i].float().repeat_interleave(GROUP, dim=0)
-        scores = (q @ k.transpose(-1, -2)) * SCALE  # [H_q, Lq, L]
+        scores = (q @ k.transpose(-1, -2)) * case.scale  # [H_q, Lq, L]
         if case.causal:
             # query j (position L - Lq + j) sees keys at positions <= its own
             qpos = torch.arange(case.l - case.lq, case.l, device="cuda")[:, None]
@@ -202,7 +207,7 @@ def q_to_pool(q):
 
 def pool_out_to_seq(out, case):
     """[1, H_q, N*Lq, D] -> [N, H_q, Lq, D]."""
-    return out[0].reshape(H_Q, case.n, case.lq, D).permute(1, 0, 2, 3)
+    return out[0].reshape(H_Q, case.n, case.lq, case.d).permute(1, 0, 2, 3)
 
 
 def pool_sets(case, sets, kind):
@@ -271,7 +276,7 @@ def time_calls(calls, quick):
     return statistics.median(times), len(times), queued_ahead
 
 
-def backend_of_sdpa(q, k, v, mask, causal):
+def backend_of_sdpa(q, k, v, mask, causal, scale):
     """Name of the backend SDPA's default choice takes for these inputs (private API)."""
     try:
         from torch.nn.attention import SDPBackend
@@ -282,7 +287,7 @@ def backend_of_sdpa(q, k, v, mask, causal):
             if hasattr(SDPBackend, name):
                 names[int(getattr(SDPBackend, name))] = name.lower()
         choice = torch._fused_sdp_choice(q, k, v, attn_mask=mask, dropout_p=0.0,
-                                         is_causal=causal, scale=SCALE, enable_gqa=True)
+                                         is_causal=causal, scale=scale, enable_gqa=True)
         return names.get(int(choice), str(choice))
     except Exception as e:  # noqa: BLE001
         return f"unknown ({type(e).__name__})"
@@ -371,12 +376,29 @@ def run_sdpa_per_seq(results, case, sets, ref, opts, label, backend_name):
     try:
         with context():
             F.scaled_dot_product_attention(s0["q"], s0["k"], s0["v"], is_causal=case.causal,
-                                           scale=SCALE, enable_gqa=True)
+                                           scale=case.scale, enable_gqa=True)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001
         log(f"  {label}: enable_gqa refused ({(str(e).strip().splitlines() or [''])[-1][:120]}); "
             "expanding K/V heads outside the timed region")
         gqa = False
+
+    if not gqa and case.d != D:
+        # A head dim other than the reference one: a backend that refuses it with expanded heads
+        # too is skipped (stderr only, no JSON line) rather than reported as a failure.
+        try:
+            with context():
+                F.scaled_dot_product_attention(
+                    s0["q"], s0["k"].repeat_interleave(GROUP, dim=1),
+                    s0["v"].repeat_interleave(GROUP, dim=1), is_causal=case.causal,
+                    scale=case.scale)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            log(f"  {label} {case.name}: skipped, the backend refuses head dim {case.d} "
+                f"({type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1][:120]})")
+            gc.collect()
+            torch.cuda.empty_cache()
+            return
 
     impl = label if gqa else label + "_expanded"
     use = sets
@@ -387,7 +409,7 @@ def run_sdpa_per_seq(results, case, sets, ref, opts, label, backend_name):
         except Exception:  # noqa: BLE001  (OOM while expanding: measure() records n/a below)
             use = sets
     calls = [lambda s=s: F.scaled_dot_product_attention(
-        s["q"], s["k"], s["v"], is_causal=case.causal, scale=SCALE, enable_gqa=gqa) for s in use]
+        s["q"], s["k"], s["v"], is_causal=case.causal, scale=case.scale, enable_gqa=gqa) for s in use]
     measure(results, case, impl, calls, lambda out: out, ref, opts, "per_seq", context=context)
 
 
@@ -403,9 +425,9 @@ def run_sdpa_mask_pool(results, case, sets, ref, opts):
     mask = ((seq_c[None, :] == seq_q[:, None]) & (pos_c[None, :] <= pos_q[:, None]))
     mask = mask.view(1, 1, t, cells)
     p0 = pooled[0]
-    backend = backend_of_sdpa(p0["q"], p0["k"], p0["v"], mask, False)
+    backend = backend_of_sdpa(p0["q"], p0["k"], p0["v"], mask, False, case.scale)
     calls = [lambda s=s: F.scaled_dot_product_attention(
-        s["q"], s["k"], s["v"], attn_mask=mask, scale=SCALE, enable_gqa=True) for s in pooled]
+        s["q"], s["k"], s["v"], attn_mask=mask, scale=case.scale, enable_gqa=True) for s in pooled]
     measure(results, case, "sdpa_mask_cell_pool", calls, lambda out: pool_out_to_seq(out, case),
             ref, opts, kind, backend=backend)
 
@@ -446,7 +468,7 @@ def run_flex(results, case, sets, ref, opts, impl, kind):
                        f"create_block_mask: {type(e).__name__}: {str(e).strip()[:200]}", opts)
         return
     fn = flex()
-    calls = [lambda s=s: fn(s["q"], s["k"], s["v"], block_mask=block_mask, scale=SCALE,
+    calls = [lambda s=s: fn(s["q"], s["k"], s["v"], block_mask=block_mask, scale=case.scale,
                             enable_gqa=True) for s in pooled]
     layout = kind if kind != "clustered" else f"clustered{RUN}"
     measure(results, case, impl, calls, lambda out: pool_out_to_seq(out, case), ref, opts, layout)
@@ -466,7 +488,9 @@ def run_case(results, case, opts):
             results, case, sets, ref, opts, "sdpa_flash_per_seq", "FLASH_ATTENTION")),
         ("sdpa_mask_cell_pool", lambda: run_sdpa_mask_pool(results, case, sets, ref, opts)),
     ]
-    if case.work == "decode":
+    if case.d != D:  # the head-dim shapes: the per-seq SDPA peers only
+        peers = peers[:2]
+    elif case.work == "decode":
         peers += [
             ("flex_block_mask", lambda: run_flex(
                 results, case, sets, ref, opts, "flex_block_mask", "interleaved")),
@@ -549,6 +573,8 @@ def main():
         cases += [Case("decode", n, l) for n, l in (QUICK_DECODE_SHAPES if opts.quick else DECODE_SHAPES)]
     if opts.only in (None, "prefill"):
         cases += [Case("prefill", n, l) for n, l in (QUICK_PREFILL_SHAPES if opts.quick else PREFILL_SHAPES)]
+        if not opts.quick:
+            cases += [Case("prefill", n, l, d) for n, l, d in PREFILL_HEAD_DIM_SHAPES]
 
     results = []
     for case in cases:

@@ -2,15 +2,16 @@
 """Merge cellkv's benchmark JSON lines with the peers' (benchmarks/peers.py) into one report.
 
 Input: JSON lines, one measurement each:
-  {"work": "decode"|"prefill"|"overhead", "shape": "16x4k", "impl": name, "ms": median_ms,
-   "metric": value, "unit": "TB/s"|"TFLOP/s"|"us"}
+  {"work": "decode"|"prefill"|"mixed"|"overhead"|..., "shape": "16x4k", "impl": name,
+   "ms": median_ms, "metric": value, "unit": "TB/s"|"TFLOP/s"|"us"|"ms"|"x"}
 Lines whose impl starts with 'cellkv_' are cellkv's (whichever file they come from); all others
 are peers. A line with metric null (a peer that failed) shows as n/a. If the same
 (work, shape, impl) appears twice, the later line wins. Extra fields are ignored.
 
 Output:
   * ONE markdown table (stdout, and --markdown FILE): a row per (work, shape); columns: the unit,
-    each cellkv impl's metric, the best peer's metric and name, and cellkv best / best peer
+    each cellkv impl's metric (followed by its own unit where that differs from the row's, e.g.
+    the mixed step's ratio 'x' in a row of 'ms'), the best peer's metric and name, and cellkv best / best peer
     (for TB/s and TFLOP/s the ratio of the metrics; for time units such as us, where lower is
     better, the inverse, so > 1 always means cellkv is ahead).
   * a PNG bar chart (--png FILE; needs matplotlib, Agg backend): decode TB/s and prefill TFLOP/s
@@ -29,7 +30,7 @@ import sys
 
 HIGHER_IS_BETTER = {"TB/s", "TFLOP/s", "GB/s", "tok/s"}
 WORK_ORDER = ["decode", "prefill"]  # then anything else, 'overhead' last
-SHAPE_ORDER = ["1x32k", "16x4k", "64x2k", "256x1k", "1x8k", "8x1k", "4x4k"]
+SHAPE_ORDER = ["1x32k", "16x4k", "64x2k", "256x1k", "1x8k", "8x1k", "4x4k", "1x8k_d64", "1x8k_d256"]
 COPY_CEILING_TBS = 4.23
 GEMM_CEILING_TFLOPS = 783.0
 
@@ -128,7 +129,13 @@ def markdown(rows, table, cellkv_impls):
         unit, best_ck, best_peer = row_summary(impls)
         cells = [key[0], key[1], unit]
         for name in cellkv_impls:
-            cells.append(fmt(metric_of(impls[name])) if name in impls else "")
+            rec = impls.get(name)
+            if rec is None:
+                cells.append("")
+            elif rec.get("unit") and rec.get("unit") != unit and metric_of(rec) is not None:
+                cells.append(f"{fmt(metric_of(rec))} {rec['unit']}")
+            else:
+                cells.append(fmt(metric_of(rec)))
         if best_peer:
             cells += [fmt(best_peer[0]), best_peer[1]]
         else:
@@ -261,6 +268,16 @@ def selftest():
                           "metric": tf + 5 * k, "unit": "TFLOP/s"})
         peers.append({"work": "prefill", "shape": shape, "impl": "sdpa_mask_cell_pool",
                       "ms": None, "metric": None, "unit": "TFLOP/s", "error": "OutOfMemoryError"})
+    for shape, tf in (("1x8k_d64", 300.0), ("1x8k_d256", 250.0)):
+        ck.append({"work": "prefill", "shape": shape, "impl": "cellkv_cell_clustered", "ms": 1.0,
+                   "metric": tf, "unit": "TFLOP/s"})
+        peers.append({"work": "prefill", "shape": shape, "impl": "sdpa_cudnn_per_seq", "ms": 1.0,
+                      "metric": 2 * tf, "unit": "TFLOP/s"})
+    for name, ms in (("cellkv_mixed", 1.2), ("cellkv_decode_part", 0.2), ("cellkv_prefill_part", 0.8)):
+        ck.append({"work": "mixed", "shape": "128x2k+2x1k", "impl": name, "ms": ms, "metric": ms,
+                   "unit": "ms"})
+    ck.append({"work": "mixed", "shape": "128x2k+2x1k", "impl": "cellkv_mixed_over_parts",
+               "ms": 1.2, "metric": 1.2, "unit": "x"})
     ck.append({"work": "overhead", "shape": "256tok_256kcells", "impl": "cellkv_step_overhead",
                "metric": 12.5, "unit": "us"})
     ck_path, peers_path = f"{out}/cellkv.jsonl", f"{out}/peers.jsonl"
@@ -271,12 +288,17 @@ def selftest():
     md, wrote_png = report(ck_path, peers_path, f"{out}/report.md", f"{out}/report.png")
 
     lines = md.strip().splitlines()
-    assert len(lines) == 2 + len(decode) + len(prefill) + 1, len(lines)
+    assert len(lines) == 2 + len(decode) + len(prefill) + 2 + 1 + 1, len(lines)
     assert "cellkv_step_overhead" in lines[0] and "best peer impl" in lines[0]
     first = lines[2].split("|")
     assert "decode" in first[1] and "1x32k" in first[2], first
     assert "sdpa_cudnn_per_seq" in lines[2] and "1.15x" in lines[2], lines[2]  # 3.8 / 3.3
     assert "sdpa_cudnn_per_seq" in lines[6] and "0.96x" in lines[6], lines[6]  # 540 / 560
+    assert "1x8k_d64" in lines[9] and "0.50x" in lines[9], lines[9]  # 300 / 600
+    assert "1x8k_d256" in lines[10] and "0.50x" in lines[10], lines[10]
+    mixed = lines[-2].split("|")
+    assert mixed[1].strip() == "mixed" and mixed[3].strip() == "ms", mixed
+    assert "| 1.20 x |" in lines[-2] and "| 0.8 |" in lines[-2], lines[-2]
     assert lines[-1].split("|")[1].strip() == "overhead" and "12.5" in lines[-1], lines[-1]
     log(f"selftest ok: {out}/report.md" + (f", {out}/report.png" if wrote_png else " (no PNG)"))
 
