@@ -111,57 +111,90 @@ __device__ __forceinline__ WideSpan wide_span(const TileSpan& span) {
   return {first, last - first + 1};
 }
 
-// One wide KV tile (positions key0 ..) into stage `stage`, rows [32 warp, 32 warp + 32) by this
-// producer warp: lane l reads the row id of row 32 warp + l, lane 0 writes the warp's 32 absent bits
-// (absent[warp]), then every 16-byte chunk of K and V of the warp's rows (lane l copies chunk l % C
-// of rows l / C, l / C + 32 / C, ..: C = D / 8 chunks a row), each row id passed from its lane.
-template <class T, int D, class Rows>
-__device__ __forceinline__ void produce_tile(const PrefillArgs<T, Rows>& a, const TileSource& src, int key0,
-                                             std::uint32_t stage, std::uint32_t* absent, int warp, int lane) {
-  using KV = typename WgmmaPrefill<D>::KV;
-  constexpr int kChunks = D / 8, kRowStep = 32 / kChunks;
+// What a producer lane copies of every tile (D / 8 16-byte chunks a row; lane l copies chunk
+// l % C of rows l / C + p (32 / C), p = 0, 1, ..: C = D / 8), fixed per item so that a copy costs a
+// shuffle, two multiply-adds and the two cp.async.
+template <class T, int D>
+struct ProducerLane {
+  static constexpr int kChunks = D / 8, kRowStep = 32 / kChunks, kPasses = 32 / kRowStep;
   static_assert(32 % kChunks == 0 && kPrefillTile % 32 == 0, "whole rows per pass; a warp's rows in one table tile");
-  const int row0 = 32 * warp, table_tile = row0 / kPrefillTile * kPrefillTile;
-  const int id = prefill_row_id(a.rows, src.seq, key0 + table_tile, src.seen, row0 - table_tile + lane);
+  const char* k;             // K of (row 0, the item's KV head), this lane's chunk
+  const char* v;             // the same in V
+  std::uint32_t row_bytes;   // bytes from one pool row to the next
+  std::uint32_t dst;         // this lane's chunk in the warp's first row of a stage's K tile, less its swizzle
+  std::uint32_t swizzle;     // ((chunk & 7) ^ (row & 7)) << 4 of pass 0's row
+  __device__ ProducerLane(const PoolView<const T>& pool, int hk, int warp, int lane) {
+    using KV = typename WgmmaPrefill<D>::KV;
+    const int chunk = lane % kChunks, sub = lane / kChunks;  // sub: the lane's row within a pass
+    const std::int64_t head = static_cast<std::int64_t>(hk) * pool.head_dim + chunk * 8;
+    k = reinterpret_cast<const char*>(pool.k + head);
+    v = reinterpret_cast<const char*>(pool.v + head);
+    row_bytes = static_cast<std::uint32_t>(pool.row_elems() * sizeof(T));
+    dst = static_cast<std::uint32_t>((chunk >> 3) * KV::kBlockBytes + (32 * warp + sub) * 128);
+    swizzle = static_cast<std::uint32_t>(((chunk & 7) ^ sub) << 4);
+  }
+  // Stage offset of pass p's chunk: rows advance by kRowStep, and (p kRowStep + sub) & 7 =
+  // ((p kRowStep) & 7) ^ sub as sub < kRowStep, a power of two.
+  __device__ __forceinline__ std::uint32_t offset(int p) const {
+    return dst + static_cast<std::uint32_t>(p * kRowStep * 128) + (swizzle ^ static_cast<std::uint32_t>(((p * kRowStep) & 7) << 4));
+  }
+};
+
+// One wide KV tile into stage `stage`, rows [32 warp, 32 warp + 32) by this producer warp: `id` is
+// the row id of the lane's row 32 warp + lane (-1: absent, zero-filled); lane 0 writes the warp's 32
+// absent bits (absent[warp]), then every lane copies its chunks, each row id shuffled from its lane.
+template <class T, int D>
+__device__ __forceinline__ void produce_tile(const ProducerLane<T, D>& pl, int id, std::uint32_t stage,
+                                             std::uint32_t* absent, int warp, int lane) {
+  using KV = typename WgmmaPrefill<D>::KV;
+  using PL = ProducerLane<T, D>;
   const std::uint32_t missing = __ballot_sync(0xffffffffu, id < 0);
   if (lane == 0) absent[warp] = missing;
-  const int chunk = lane % kChunks;
-  // Unrolled whole for D 64 (8 passes); one pass at a time for D 128, where an unrolled loop
-  // needs more registers than kProducerRegisters.
-  constexpr int kUnroll = D <= 64 ? 32 / kRowStep : 1;
-#pragma unroll kUnroll
-  for (int row = lane / kChunks; row < 32; row += kRowStep) {
-    const int from = __shfl_sync(0xffffffffu, id, row);
-    const std::int64_t off = from >= 0 ? a.pool.offset(from, src.hk) + chunk * 8 : 0;
-    const std::uint32_t dst = stage + KV::offset(row0 + row, chunk);
-    cp_async_16(dst, a.pool.k + off, from >= 0);
-    cp_async_16(dst + KV::kBytes, a.pool.v + off, from >= 0);
+  const int sub = lane / PL::kChunks;
+#pragma unroll
+  for (int p = 0; p < PL::kPasses; ++p) {
+    const int from = __shfl_sync(0xffffffffu, id, p * PL::kRowStep + sub);
+    const std::uint64_t row = static_cast<std::uint64_t>(static_cast<std::uint32_t>(max(from, 0))) * pl.row_bytes;
+    const std::uint32_t dst = stage + pl.offset(p);
+    cp_async_16(dst, pl.k + row, from >= 0);
+    cp_async_16(dst + KV::kBytes, pl.v + row, from >= 0);
   }
 }
 
 // The producer warpgroup (thread t = threadIdx.x in [0, 128)): the queries of every item the block
-// takes, then its wide KV tiles through the ring, all four warps on every tile.
+// takes, then its wide KV tiles through the ring, all four warps on every tile. The row ids of the
+// next tile are read before the current tile's copies, so their latency hides behind them.
 template <class T, int D, class Rows>
 __device__ void produce_prefill(const PrefillArgs<T, Rows>& a, std::uint32_t base, std::uint32_t* absent,
                                 const PrefillBarriers& bar) {
   using L = WgmmaPrefill<D>;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
   const int items = a.work.prefill_count() * a.pool.heads_kv;
+  // The lane's row of a wide tile: 32 warp + lane, in table tile `table_tile` of the two.
+  const int table_tile = 32 * warp / kPrefillTile * kPrefillTile, in_table_tile = 32 * warp - table_tile + lane;
   RingCursor<L::kStages> ring;  // the next stage to fill
   for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
     const PrefillWork w = prefill_work(a, item);
     const TileSource src = tile_source(w.rows, w.hk, a.window, w.own_begin);
     const WideSpan span = wide_span(src.span);
+    const ProducerLane<T, D> pl(a.pool, w.hk, warp, lane);
+    auto row_id = [&](int j) {  // the lane's row id in wide tile j
+      return j < span.count ? prefill_row_id(a.rows, src.seq, (span.first + j) * kWgmmaTile + table_tile, src.seen,
+                                             in_table_tile)
+                            : -1;
+    };
+    int id = row_id(0);
     wait_phase(bar.q_empty, (n & 1) ^ 1);
     load_queries<D, kPrefillRows, kWarpgroup, typename L::QTile>(a.q, a.heads_q, w.rows, w.hk, base + L::kQ, t);
     ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.q_full);
     for (int j = 0; j < span.count; ++j, ring.next()) {
+      const int next = row_id(j + 1);
       wait_phase(bar.empty + ring.stage, ring.phase ^ 1u);
-      produce_tile<T, D>(a, src, (span.first + j) * kWgmmaTile,
-                         base + static_cast<std::uint32_t>(ring.stage * L::kStageBytes), absent + 4 * ring.stage,
-                         warp, lane);
+      produce_tile<T, D>(pl, id, base + static_cast<std::uint32_t>(ring.stage * L::kStageBytes),
+                         absent + 4 * ring.stage, warp, lane);
       ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.full + ring.stage);
       if (lane == 0) (void)::cuda::ptx::mbarrier_arrive(bar.full + ring.stage);  // after writing absent[warp]
+      id = next;
     }
   }
   cp_async_wait<0>();
