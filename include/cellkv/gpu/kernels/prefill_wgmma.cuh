@@ -8,21 +8,22 @@
 //             gathered row by row through the position table with cp.async, holes and unread
 //             positions zero-filled) into a ring of Stages stages, with the tile's absent columns
 //             beside it; warp w gathers rows [32 w, 32 w + 32) of every tile.
-//   consumers (warpgroups 1 and 2, kConsumerRegisters): rows [64 c, 64 c + 64) of the item each; the
-//             queries as register A fragments, then per tile S = Q K^T (wgmma, K from the stage),
-//             mask and online softmax in registers (attention_tiles.cuh: the accumulator layout is
-//             mma.sync's), O += P V (wgmma, P from registers, V from the stage). A consumer whose
-//             rows cannot see a tile skips its MMAs (causal and window by position ranges; tiles
-//             wholly inside every row's range are not masked).
+//   consumers (warpgroups 1 and 2, kConsumerRegisters): rows [64 c, 64 c + 64) of the item each;
+//             per tile S = Q K^T (wgmma, the queries and K from shared memory), mask and online
+//             softmax in registers (attention_tiles.cuh: the accumulator layout is mma.sync's),
+//             O += P V (wgmma, P from registers, V from the stage). A consumer whose rows cannot
+//             see a tile skips its MMAs (causal and window by position ranges; tiles wholly inside
+//             every row's range are not masked).
 // Hand-over, by mbarriers: full[s] completes when the producer's copies into stage s have landed
-// (cp.async.mbarrier.arrive) and each producer warp's lane 0 has written its absent bits; empty[s] when all
-// 256 consumer threads are done with it. q_full / q_empty do the same for
-// the query tile, so the next item's queries load while the consumers finish the current one. The
-// consumers fence the async proxy before their wgmmas read what cp.async (generic proxy) wrote.
+// (cp.async.mbarrier.arrive) and each producer warp's lane 0 has written its absent bits;
+// empty[s] when all 256 consumer threads are done with it. q_full when the queries have landed;
+// q_empty when both consumer warpgroups' last S of the item is done (S reads the query tile), so
+// the next item's queries load while the consumers finish the current one. The consumers fence
+// the async proxy before their wgmmas read what cp.async (generic proxy) wrote.
 //
 // Dynamic shared memory (WgmmaPrefill<D>, 1024-byte aligned inside the allocation):
 //   Stages x (K tile, V tile) [kWgmmaTile x D] T (Sw128Tile) | Q tile [kPrefillRows x D] T
-//   (SwizzledTile) | absent [Stages][2] u64 | barriers full[Stages], empty[Stages], q_full, q_empty
+//   (Sw128Tile) | absent [Stages][2] u64 | barriers full[Stages], empty[Stages], q_full, q_empty
 // Grid: persistent, one block per SM. Only pools of T (not fp8), D = 64 and 128.
 #pragma once
 

@@ -1,7 +1,7 @@
 // cellkv/gpu/kernels/wgmma.cuh - Hopper warpgroup MMA (wgmma, sm_90a) for the attention kernels:
 // shared-memory matrix descriptors of the 128-byte swizzled layout, the tile layout they describe,
-// and m64nNk16 MMAs (N = 64, 128, 256) with A in registers and B in shared memory, bf16 / fp16
-// operands, fp32 accumulation. Every function here is issued by all 128 threads of a warpgroup.
+// and m64nNk16 MMAs (N = 64, 128, 256) with A in registers and B in shared memory, or both in shared
+// memory (N = 128), bf16 / fp16 operands, fp32 accumulation. Every function here is issued by all 128 threads of a warpgroup.
 //
 // Fragment layouts (warp w = 0..3 of the warpgroup, lane, g = lane / 4, q = lane % 4):
 //   A 64x16 in registers: warp w holds rows [16 w, 16 w + 16) as mma.m16n8k16's A (mma.cuh)
@@ -12,7 +12,8 @@
 // Sw128Tile<Rows, D>: Rows x D elements of 2 bytes as D / 64 column blocks of [Rows][64], each row
 // of a block 128 bytes with its 16-byte chunk c stored at chunk c ^ (row % 8), every block
 // 1024-byte aligned: the canonical 128-byte swizzle of wgmma. The same tile serves as
-//   K of S = Q K^T: B "K-major" (the reduction dim D contiguous), no transpose;
+//   Q of S = Q K^T: A "K-major" (the reduction dim D contiguous), 64 rows from an 8-row atom on;
+//   K of S = Q K^T: B "K-major", no transpose;
 //   V of O = P V:   B "MN-major" (the output dim D contiguous), transposed.
 #pragma once
 
@@ -49,8 +50,8 @@ __device__ __forceinline__ std::uint64_t advance(std::uint64_t descriptor, std::
   return descriptor + (bytes >> 4);
 }
 
-// B = K^T for k-step kk (D columns [16 kk, 16 kk + 16)) of a K tile [Rows][D] (Sw128Tile): K-major,
-// 8-row atoms 1024 bytes apart; a k-step is 32 bytes into its column block.
+// A = Q or B = K^T for k-step kk (D columns [16 kk, 16 kk + 16)) of a Q or K tile [Rows][D]
+// (Sw128Tile): K-major, 8-row atoms 1024 bytes apart; a k-step is 32 bytes into its column block.
 template <int Rows, int D>
 __host__ __device__ constexpr std::uint32_t k_step_bytes(int kk) {
   return static_cast<std::uint32_t>((kk >> 2) * Sw128Tile<Rows, D>::kBlockBytes + (kk & 3) * 32);
