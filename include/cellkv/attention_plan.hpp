@@ -15,7 +15,8 @@
 //            Steps of few, short pairs run as teams instead (decode_assignment): the warps of a
 //            block share out its pairs, each pair's tiles split among a team merged in shared
 //            memory (a team of one: the pair whole).
-//   prefill  one item per kPrefillRows query rows of every other segment.
+//   prefill  one item per AttentionShape::prefill_rows query rows of every other segment: the rows
+//            one block of the prefill kernel that runs takes at once.
 #pragma once
 
 #include <algorithm>
@@ -29,9 +30,12 @@
 namespace cellkv {
 
 inline constexpr std::int32_t kDecodeRows = 16;   // query rows (token x head) of a decode item
-// Query rows of a prefill item: one block of the Hopper prefill kernel (two warpgroups of 64 rows
-// share each K/V tile); the mma.sync kernel takes an item in passes of 64.
+// Query rows of a prefill item (AttentionShape::prefill_rows), the rows one block of the prefill
+// kernel that runs takes at once: kPrefillRows for the Hopper kernel (two warpgroups of 64 rows
+// share each K/V tile), kMinPrefillRows for the mma.sync kernel (one pass of its block). The step
+// block's capacity (max_prefill_items) covers items of kMinPrefillRows.
 inline constexpr std::int32_t kPrefillRows = 128;
+inline constexpr std::int32_t kMinPrefillRows = 64;
 inline constexpr std::int32_t kPrefillTile = 64;  // positions per KV tile of the prefill kernel
 inline constexpr std::int32_t kMinDecodeChunk = 1;  // a decode worker takes at least this many tiles
 
@@ -77,6 +81,7 @@ CELLKV_HOST_DEVICE constexpr TileSpan tiles_seen(std::int32_t window, std::int32
 struct AttentionShape {
   std::int32_t group = 1;        // H_q / H_kv
   std::int32_t decode_tile = 0;  // positions per KV tile of the decode kernel (divides kPagePositions)
+  std::int32_t prefill_rows = kPrefillRows;  // query rows of a prefill item (>= kMinPrefillRows)
 };
 
 // Query rows [row0, row0 + rows) of one segment; row r is token r / group, head r % group.
@@ -102,13 +107,15 @@ CELLKV_HOST_DEVICE constexpr bool is_decode(const Segment& s, std::int32_t group
   return static_cast<std::int64_t>(s.len) * group <= kDecodeRows;
 }
 
-// Prefill items a step of max_write tokens can need: ceil(len x group / kPrefillRows) per segment.
-// In int64: a step block refuses a count past int32 (step_block.hpp).
+// Prefill items a step of max_write tokens can need with items of kMinPrefillRows rows or more:
+// ceil(len x group / prefill_rows) <= len x group / kMinPrefillRows + 1 per segment, at most
+// max_write segments. In int64: a step block refuses a count past int32 (step_block.hpp).
 constexpr std::int64_t max_prefill_items(std::int32_t max_write, std::int32_t group) noexcept {
-  return (static_cast<std::int64_t>(max_write) * group) / kPrefillRows + max_write;
+  return (static_cast<std::int64_t>(max_write) * group) / kMinPrefillRows + max_write;
 }
 
-// Plans one window's work from the step's segments.
+// Plans one window's work from the step's segments: prefill items of shape.prefill_rows rows
+// (precondition: at least kMinPrefillRows, so they fit max_prefill_items).
 // own_begin: per segment, the first position it reads itself (nullptr: 0 for every segment).
 inline void plan_window(std::span<const Segment> segments, const std::int32_t* own_begin, std::int32_t window,
                         const AttentionShape& shape, const WindowWork& out) {
@@ -123,8 +130,9 @@ inline void plan_window(std::span<const Segment> segments, const std::int32_t* o
       longest = n > longest ? n : longest;
     } else {
       // Last rows first: they see the most, so the longest items start earliest.
-      const std::int32_t rows = s.len * shape.group, items = (rows + kPrefillRows - 1) / kPrefillRows;
-      for (std::int32_t m = items; m-- > 0;) out.prefill[prefill++] = PrefillItem{static_cast<std::int32_t>(i), m * kPrefillRows};
+      const std::int32_t rows = s.len * shape.group, per_item = shape.prefill_rows;
+      const std::int32_t items = (rows + per_item - 1) / per_item;
+      for (std::int32_t m = items; m-- > 0;) out.prefill[prefill++] = PrefillItem{static_cast<std::int32_t>(i), m * per_item};
     }
   }
   out.decode_prefix[decode] = tiles;

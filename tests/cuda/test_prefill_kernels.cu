@@ -53,9 +53,20 @@ const Steps kLongSteps{{3000, 1, 700}, {1, 1000, 63}, {65, 1, 129}, {600, 1, 1},
 // The same shapes at a size the sanitizers get through.
 const Steps kShortSteps{{300, 1, 70}, {1, 100, 63}, {65, 1, 129}, {60, 1, 1}, {1, 1, 200}};
 
+// Prefill items a step of one segment per sequence of `lens` tokens needs with items of `rows`
+// query rows (AttentionShape::prefill_rows): ceil(len x group / rows) per segment of more than 16
+// rows (kDecodeRows; the others are decoded).
+std::int32_t prefill_items(const std::vector<std::int32_t>& lens, std::int32_t group, std::int32_t rows) {
+  std::int32_t items = 0;
+  for (const std::int32_t len : lens)
+    if (len * group > 16) items += (len * group + rows - 1) / rows;
+  return items;
+}
+
 // Three caches (wgmma where it runs, mma.sync, reference kernel) fed identical steps: ragged prompt
 // chunks of up to max_write tokens beside decode tokens. Every output is compared with the
-// reference kernel's.
+// reference kernel's. Each table cache plans prefill items of its kernel's size: 128 rows for the
+// wgmma kernel, 64 for the mma.sync kernel.
 template <class Cache>
 void ragged_prefill(std::int32_t heads_q, std::int32_t heads_kv, std::int32_t head_dim, std::uint64_t seed,
                     const Steps& steps = kLongSteps) {
@@ -108,6 +119,11 @@ void ragged_prefill(std::int32_t heads_q, std::int32_t heads_kv, std::int32_t he
     }
     stream.synchronize();
     CHECK(fast.shard().work_counts(0).value().prefill > 0);
+    std::vector<std::int32_t> lens(steps[step].begin(), steps[step].end());
+    if (seqs.size() > 3) lens.push_back(40);
+    const std::int32_t group = heads_q / heads_kv;
+    CHECK(fast.shard().work_counts(0).value().prefill == prefill_items(lens, group, fast.runs_wgmma_prefill() ? 128 : 64));
+    CHECK(mma.shard().work_counts(0).value().prefill == prefill_items(lens, group, 64));
     const std::vector<double> want = hr.outputs();
     CHECK(max_relative_difference(hf.outputs(), want, head_dim) <= tolerance<typename Cache::Element>());
     CHECK(max_relative_difference(hm.outputs(), want, head_dim) <= tolerance<typename Cache::Element>());

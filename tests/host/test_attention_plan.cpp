@@ -1,5 +1,6 @@
 // The decode work of a window buffer (attention_plan.hpp), against a brute-force count of the tiles
-// each decode segment's rows see; and which steps the decode kernel runs as whole pairs.
+// each decode segment's rows see; which steps the decode kernel runs as whole pairs; and the
+// prefill items (64 or 128 rows) against the rows of each segment.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -64,6 +65,70 @@ TEST_CASE("decode work: segments, tile prefix sums and the longest segment, agai
     CHECK(decode_prefix[static_cast<std::size_t>(decode)] == tiles);
     CHECK(counts[2] == longest);
   }
+}
+
+TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's rows once, last rows first") {
+  std::mt19937 rng(23);
+  for (int trial = 0; trial < 400; ++trial) {
+    CAPTURE(trial);
+    const std::int32_t rows_per_item = trial % 2 == 0 ? 64 : 128;
+    const std::int32_t group = std::vector<std::int32_t>{1, 2, 4, 7, 8, 64}[rng() % 6];
+    std::vector<Segment> segments;
+    const int count = 1 + static_cast<int>(rng() % 10);
+    std::int32_t tokens = 0;
+    for (int i = 0; i < count; ++i) {
+      const std::int32_t len = 1 + static_cast<std::int32_t>(rng() % (rng() % 3 == 0 ? 700 : 40));
+      segments.push_back({i, tokens, len, static_cast<std::int32_t>(rng() % 900)});
+      tokens += len;
+    }
+    const auto w = segments.size();
+    // Exactly the capacity the step block has for `tokens` tokens: the plan must fit it.
+    const std::int64_t capacity = max_prefill_items(tokens, group);
+    std::vector<std::int32_t> counts(3, -1), decode_seg(w, -1), decode_prefix(w + 1, -1);
+    std::vector<PrefillItem> prefill(static_cast<std::size_t>(capacity), PrefillItem{-1, -1});
+    AttentionShape shape{group, 16};
+    shape.prefill_rows = rows_per_item;
+    plan_window(segments, nullptr, 0, shape, WindowWork{counts.data(), decode_seg.data(), decode_prefix.data(), prefill.data()});
+    // The oracle: per segment of more than kDecodeRows rows, in step order, row0 = (n - 1) x rows,
+    // ..., rows, 0 for its n = ceil(len x group / rows) items.
+    std::vector<PrefillItem> want;
+    for (std::size_t i = 0; i < w; ++i) {
+      const std::int32_t rows = segments[i].len * group;
+      if (rows <= 16) continue;
+      std::int32_t n = 0;
+      while (n * rows_per_item < rows) ++n;
+      for (std::int32_t m = n - 1; m >= 0; --m) want.push_back({static_cast<std::int32_t>(i), m * rows_per_item});
+    }
+    REQUIRE(counts[1] == static_cast<std::int32_t>(want.size()));
+    CHECK(counts[1] <= capacity);
+    for (std::size_t k = 0; k < want.size(); ++k) {
+      CAPTURE(k);
+      CHECK(prefill[k].seg == want[k].seg);
+      CHECK(prefill[k].row0 == want[k].row0);
+    }
+    // Every row of every prefill segment lies in exactly one item of at most rows_per_item rows.
+    for (std::size_t i = 0; i < w; ++i) {
+      const std::int32_t rows = segments[i].len * group;
+      if (rows <= 16) continue;
+      std::vector<int> covered(static_cast<std::size_t>(rows), 0);
+      for (std::int32_t k = 0; k < counts[1]; ++k) {
+        const PrefillItem& it = prefill[static_cast<std::size_t>(k)];
+        if (it.seg != static_cast<std::int32_t>(i)) continue;
+        for (std::int32_t r = it.row0; r < std::min(rows, it.row0 + rows_per_item); ++r) ++covered[static_cast<std::size_t>(r)];
+      }
+      CHECK(std::all_of(covered.begin(), covered.end(), [](int c) { return c == 1; }));
+    }
+  }
+  // By hand: 3 tokens of group 64 (192 rows): 64-row items at 128, 64, 0; 128-row items at 128, 0.
+  const std::vector<Segment> one{{0, 0, 3, 10}};
+  std::int32_t counts[3] = {}, decode_seg[1] = {}, decode_prefix[2] = {};
+  PrefillItem items[6] = {};
+  plan_window(one, nullptr, 0, AttentionShape{64, 16, 64}, WindowWork{counts, decode_seg, decode_prefix, items});
+  CHECK(counts[1] == 3);
+  CHECK((items[0].row0 == 128 && items[1].row0 == 64 && items[2].row0 == 0));
+  plan_window(one, nullptr, 0, AttentionShape{64, 16}, WindowWork{counts, decode_seg, decode_prefix, items});  // default 128
+  CHECK(counts[1] == 2);
+  CHECK((items[0].row0 == 128 && items[1].row0 == 0));
 }
 
 TEST_CASE("decode work: teams for few short pairs, whole pairs for about one per worker, else the even split") {

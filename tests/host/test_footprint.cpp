@@ -43,7 +43,9 @@ Expected expected(bool cell, std::int32_t windows, std::int32_t seqs, const Cach
   // boundary the prefill items (2 int32 each); row ranges (2 int32) per window and token for the
   // sequence layout; from a 16-byte boundary, table writes (2 int32) for the cell layout.
   const std::uint64_t group = s.heads_q > 0 ? std::max<std::uint64_t>(1, static_cast<std::uint64_t>(s.heads_q / s.heads_kv)) : 1;
-  const std::uint64_t prefill = w * group / 128 + w;  // an item per 128 query rows (kPrefillRows)
+  // Prefill items: the plan makes ceil(len x group / rows) per segment, rows 128 (the wgmma
+  // kernel) or 64 (the mma.sync kernel); the block holds enough for 64: sum(len x group / 64 + 1).
+  const std::uint64_t prefill = w * group / 64 + w;
   const std::uint64_t segments_end = align16(8 * w + 8 + 4 + 4 + 4 * w + 4 * w) + 16 * w;
   const std::uint64_t work_each = align16(align16(4 * (3 + w + w + 1)) + 8 * prefill);
   const std::uint64_t ranges_end = align16(segments_end) + work_each * static_cast<std::uint64_t>(windows) +
@@ -165,12 +167,40 @@ TEST_CASE("footprint refuses pools whose byte size overflows size_t") {
 }
 
 TEST_CASE("footprint refuses a step block whose prefill items pass int32") {
-  // max_write 2^20 tokens of group 2^18: 2^38 / 128 + 2^20 prefill items per window > 2^31 - 1.
+  // max_write 2^20 tokens of group 2^18: 2^38 / 64 + 2^20 prefill items per window > 2^31 - 1.
   const PoolShape wide_group{.layers = 3, .heads_kv = 1, .head_dim = 64, .heads_q = 1 << 18};
   CHECK(device_footprint<CellHost>({.max_write = 1 << 20, .max_cells = 1 << 20}, wide_group, {.element_bytes = 2})
             .status() == Errc::size_overflow);
   CHECK(step_block_shape<CellHost>({.max_write = 1 << 20, .max_cells = 1 << 20}, wide_group, true).status() ==
         Errc::size_overflow);
+}
+
+TEST_CASE("footprint: the step block holds the prefill items of 64-row items, up to int32") {
+  // max_write 2^20 tokens: 2^14 group + 2^20 items of 64 rows. Group 131007: 2^31 - 16384 items,
+  // the most that fit an int32 count; group 131008: 2^31, refused (with items of 128 rows both
+  // would need about 2^30).
+  constexpr std::int32_t kW = 1 << 20;
+  const CacheConfig c{.max_write = kW, .max_cells = 1 << 20};
+  const PoolShape fits{.layers = 1, .heads_kv = 1, .head_dim = 64, .heads_q = 131007};
+  const PoolShape past{.layers = 1, .heads_kv = 1, .head_dim = 64, .heads_q = 131008};
+  const Result<StepBlockShape> most = step_block_shape<CellHost>(c, fits, false);
+  REQUIRE(most.ok());
+  CHECK(most.value().max_prefill == std::int64_t{kW} * 131007 / 64 + kW);
+  CHECK(most.value().max_prefill == std::numeric_limits<std::int32_t>::max() - 16383);
+  CHECK(step_block_shape<CellHost>(c, past, false).status() == Errc::size_overflow);
+  CHECK(device_footprint<CellHost>(c, past, {.element_bytes = 2}).status() == Errc::size_overflow);
+  REQUIRE(device_footprint<CellHost>(c, fits, {.element_bytes = 2}).ok());
+  // The capacity covers the items plan_window makes of 64 rows, ceil(len x group / 64) per segment:
+  // one segment of every token, or a segment per token (the most items: each one's rows rounded up;
+  // group 65 needs 2 items a token, more than w x 65 / 128 + w would hold).
+  for (std::int32_t group = 1; group <= 200; ++group) {
+    for (const std::int32_t w : {1, 2, 17, 64, 65, 1000}) {
+      CAPTURE(group);
+      CAPTURE(w);
+      CHECK(max_prefill_items(w, group) >= (std::int64_t{w} * group + 63) / 64);
+      CHECK(max_prefill_items(w, group) >= std::int64_t{w} * ((group + 63) / 64));
+    }
+  }
 }
 
 TEST_CASE("footprint: pool bytes per cell of every storage, fp8 with its scales") {

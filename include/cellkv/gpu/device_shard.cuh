@@ -323,6 +323,8 @@ class DeviceShard {
     return read_only(pool_.view(layer));
   }
 
+  // The table kernels' geometry (decode tile, rows of a prefill item for the prefill kernel the
+  // cache runs: runs_wgmma_prefill()) that plan_window plans each upload with.
   [[nodiscard]] AttentionShape plan_shape() const noexcept {
     if constexpr (kTableKernelElement<T>) return table_->plan_shape();
     else return {};

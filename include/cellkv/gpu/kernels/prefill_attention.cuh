@@ -1,7 +1,8 @@
 // cellkv/gpu/kernels/prefill_attention.cuh - prefill attention read through the position tables.
 //
-// Work item = (prefill item, KV head): kPrefillRows query rows of one segment (token x GQA head of
-// the group), taken kPrefillBlockRows at a time, 16 per warp. They read the positions
+// Work item = (prefill item, KV head): kPrefillBlockRows query rows of one segment (token x GQA
+// head of the group; the host plans items of that size when this kernel runs: AttentionShape::
+// prefill_rows, table_attention.cuh), taken by the block in one pass, 16 per warp. They read the positions
 // [own_begin, last row] of their sequence that
 // they see (own_positions: the shared prefix below own_begin was read by shared items): KV tiles of
 // kPrefillTile positions, each inside one page of the position table. The block streams the tiles
@@ -26,7 +27,7 @@
 // All T tiles are swizzled (SwizzledTile<D>).
 //
 // Grid: persistent (fixed); block: kPrefillWarps x 32 threads. On sm_90a, prefill_wgmma.cuh serves
-// T pools of head dim 64 and 128 instead (the same work items, 128 rows at a time).
+// T pools of head dim 64 and 128 instead (items of kPrefillRows = 128 rows).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -49,9 +50,10 @@
 
 namespace cellkv::gpu::kernels {
 
-// Query rows the block attends at a time: a prefill item's kPrefillRows in two passes.
+// Query rows the block attends at a time: one prefill item of this kernel (kMinPrefillRows, the
+// smallest item the step block's capacity covers, attention_plan.hpp).
 inline constexpr int kPrefillBlockRows = 64;
-static_assert(kPrefillRows % kPrefillBlockRows == 0, "an item is whole passes of the block");
+static_assert(kPrefillBlockRows == kMinPrefillRows, "an item of this kernel is one pass of its block");
 inline constexpr int kPrefillWarps = kPrefillBlockRows / 16;
 inline constexpr int kPrefillThreads = 32 * kPrefillWarps;
 
@@ -341,18 +343,20 @@ __device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, in
   }
 }
 
-// Prefill item `item` of the uploaded step's window work: its rows (kPrefillRows at most) and KV head.
+// Prefill item `item` of the uploaded step's window work: its rows (kItemRows at most) and KV head.
+// kItemRows: the rows of an item as the host planned them for the kernel that runs
+// (AttentionShape::prefill_rows): kPrefillRows for prefill_wgmma, kPrefillBlockRows for prefill_attention.
 struct PrefillWork {
   ItemRows rows;
   int hk = 0;
   int own_begin = 0;  // the first position the item's segment reads itself (shared_fold.cuh)
 };
-template <class T, class Rows, class S>
+template <int kItemRows = kPrefillRows, class T, class Rows, class S>
 __device__ PrefillWork prefill_work(const LayerArgs<T, Rows, S>& a, int item) {
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
   const PrefillItem w = a.work.prefill[item / heads_kv];
   ItemRows it{a.segments[w.seg], w.row0, 0, group};
-  it.rows = min(kPrefillRows, it.seg.len * group - it.row0);
+  it.rows = min(kItemRows, it.seg.len * group - it.row0);
   return {it, item % heads_kv, a.shared.own_begin_of(w.seg)};
 }
 
@@ -379,12 +383,9 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(PrefillArgs
   a.guard.check(a.work);
   const int items = a.work.prefill_count() * a.pool.heads_kv;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const PrefillWork w = prefill_work(a, item);
-    for (int row0 = 0; row0 < w.rows.rows; row0 += kPrefillBlockRows) {
-      const ItemRows it = sub_rows(w.rows, row0, kPrefillBlockRows);
-      attend_block<T, D, Stages>(a, it, tile_source(it, w.hk, a.window, w.own_begin), smem, ids,
-                                 [&](const ItemRows& mine, RowState<D>& st, int lane) { write_rows<T, D>(a, mine, w.hk, st, lane); });
-    }
+    const PrefillWork w = prefill_work<kPrefillBlockRows>(a, item);  // one pass of the block
+    attend_block<T, D, Stages>(a, w.rows, tile_source(w.rows, w.hk, a.window, w.own_begin), smem, ids,
+                               [&](const ItemRows& mine, RowState<D>& st, int lane) { write_rows<T, D>(a, mine, w.hk, st, lane); });
   }
 }
 

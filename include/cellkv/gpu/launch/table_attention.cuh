@@ -149,9 +149,13 @@ class TableAttention {
   // Whether prefill runs the Hopper (wgmma) kernel rather than the mma.sync one.
   [[nodiscard]] bool wgmma_prefill() const noexcept { return wgmma_prefill_; }
 
-  // The decode tile (positions) the host plans with.
+  // The geometry the host plans with: the decode tile (positions) and the rows of a prefill item,
+  // those one block of the prefill kernel that runs takes at once (128 for prefill_wgmma, 64 for
+  // prefill_attention). wgmma_prefill_ is final once the constructor has returned (size_grids may
+  // turn it off), so every plan follows the kernel its launches run.
   [[nodiscard]] AttentionShape plan_shape() const noexcept {
-    return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim, kBytes)};
+    return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim, kBytes),
+            wgmma_prefill_ ? kPrefillRows : std::int32_t{kernels::kPrefillBlockRows}};
   }
 
   // What the sharing planner needs: the kernel's geometry and the step block's capacities.
