@@ -110,7 +110,8 @@ def row_summary(impls):
     units = [r.get("unit") for r in impls.values() if r.get("unit")]
     unit = units[0] if units else ""
     pick = better(unit)
-    ck = [(metric_of(r), i) for i, r in impls.items() if is_cellkv(i) and metric_of(r) is not None]
+    ck = [(metric_of(r), i) for i, r in impls.items()
+          if is_cellkv(i) and metric_of(r) is not None and r.get("unit", unit) == unit]
     peers = [(metric_of(r), i) for i, r in impls.items()
              if not is_cellkv(i) and metric_of(r) is not None]
     best_ck = pick(ck) if ck else None

@@ -36,7 +36,9 @@ inline constexpr std::int32_t kDecodeRows = 16;   // query rows (token x head) o
 // block's capacity (max_prefill_items) covers items of kMinPrefillRows.
 inline constexpr std::int32_t kPrefillRows = 128;
 inline constexpr std::int32_t kMinPrefillRows = 64;
-inline constexpr std::int32_t kPrefillTile = 64;  // positions per KV tile of the prefill kernel
+// Positions per tile of the position table's pages as the prefill kernels read them: the KV tile of
+// the mma.sync prefill and shared-prefix kernels; the Hopper kernel reads two at a time.
+inline constexpr std::int32_t kPrefillTile = 64;
 inline constexpr std::int32_t kMinDecodeChunk = 1;  // a decode worker takes at least this many tiles
 
 // Positions per KV tile of the decode kernel for a head dim and the bytes of a stored element:
@@ -81,7 +83,9 @@ CELLKV_HOST_DEVICE constexpr TileSpan tiles_seen(std::int32_t window, std::int32
 struct AttentionShape {
   std::int32_t group = 1;        // H_q / H_kv
   std::int32_t decode_tile = 0;  // positions per KV tile of the decode kernel (divides kPagePositions)
-  std::int32_t prefill_rows = kPrefillRows;  // query rows of a prefill item (>= kMinPrefillRows)
+  // Query rows of a prefill item (>= kMinPrefillRows); by default the smaller item, which every
+  // prefill kernel takes whole (the Hopper kernel would write rows of overlapping items twice).
+  std::int32_t prefill_rows = kMinPrefillRows;
 };
 
 // Query rows [row0, row0 + rows) of one segment; row r is token r / group, head r % group.
@@ -114,8 +118,8 @@ constexpr std::int64_t max_prefill_items(std::int32_t max_write, std::int32_t gr
   return (static_cast<std::int64_t>(max_write) * group) / kMinPrefillRows + max_write;
 }
 
-// Plans one window's work from the step's segments: prefill items of shape.prefill_rows rows
-// (precondition: at least kMinPrefillRows, so they fit max_prefill_items).
+// Plans one window's work from the step's segments: prefill items of shape.prefill_rows rows (a
+// smaller value than kMinPrefillRows plans items of kMinPrefillRows, so they fit max_prefill_items).
 // own_begin: per segment, the first position it reads itself (nullptr: 0 for every segment).
 inline void plan_window(std::span<const Segment> segments, const std::int32_t* own_begin, std::int32_t window,
                         const AttentionShape& shape, const WindowWork& out) {
@@ -130,7 +134,7 @@ inline void plan_window(std::span<const Segment> segments, const std::int32_t* o
       longest = n > longest ? n : longest;
     } else {
       // Last rows first: they see the most, so the longest items start earliest.
-      const std::int32_t rows = s.len * shape.group, per_item = shape.prefill_rows;
+      const std::int32_t rows = s.len * shape.group, per_item = std::max(shape.prefill_rows, kMinPrefillRows);
       const std::int32_t items = (rows + per_item - 1) / per_item;
       for (std::int32_t m = items; m-- > 0;) out.prefill[prefill++] = PrefillItem{static_cast<std::int32_t>(i), m * per_item};
     }

@@ -1,7 +1,7 @@
 // The two prefill kernels of the table path (the Hopper wgmma kernel, and the mma.sync kernel kept
 // for other architectures and forced with CELLKV_PREFILL_KERNEL=mma) against the reference kernel
 // (itself checked against the float64 host reference in test_table_attention.cu, where the table
-// kernels meet holes and random fork trees on short steps): long ragged prompt chunks (1 to 4,000
+// kernels meet holes and random fork trees on short steps): long ragged prompt chunks (1 to 3,701
 // tokens in one step) beside decode tokens, a window that cuts through them, a fork and a rewind,
 // both layouts, bf16 and fp16, head dims 64 / 128 / 256 (256 runs the mma.sync kernel on every
 // device), GQA 1, 4 and 8.

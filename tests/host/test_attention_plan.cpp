@@ -41,7 +41,8 @@ TEST_CASE("decode work: segments, tile prefix sums and the longest segment, agai
     std::vector<std::int32_t> own_begin;
     const int count = 1 + static_cast<int>(rng() % 12);
     for (int i = 0; i < count; ++i) {
-      const std::int32_t len = 1 + static_cast<std::int32_t>(rng() % (rng() % 3 == 0 ? 40 : 4));
+      const bool long_segment = rng() % 3 == 0;  // drawn first: the order of the two draws is fixed
+      const std::int32_t len = 1 + static_cast<std::int32_t>(rng() % (long_segment ? 40 : 4));
       const std::int32_t pos0 = static_cast<std::int32_t>(rng() % 900);
       segments.push_back({i, 0, len, pos0});
       own_begin.push_back(rng() % 4 == 0 ? pos0 / kPagePositions * kPagePositions : 0);
@@ -77,7 +78,8 @@ TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's ro
     const int count = 1 + static_cast<int>(rng() % 10);
     std::int32_t tokens = 0;
     for (int i = 0; i < count; ++i) {
-      const std::int32_t len = 1 + static_cast<std::int32_t>(rng() % (rng() % 3 == 0 ? 700 : 40));
+      const bool long_segment = rng() % 3 == 0;  // drawn first: the order of the two draws is fixed
+      const std::int32_t len = 1 + static_cast<std::int32_t>(rng() % (long_segment ? 700 : 40));
       segments.push_back({i, tokens, len, static_cast<std::int32_t>(rng() % 900)});
       tokens += len;
     }
@@ -123,12 +125,17 @@ TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's ro
   const std::vector<Segment> one{{0, 0, 3, 10}};
   std::int32_t counts[3] = {}, decode_seg[1] = {}, decode_prefix[2] = {};
   PrefillItem items[6] = {};
-  plan_window(one, nullptr, 0, AttentionShape{64, 16, 64}, WindowWork{counts, decode_seg, decode_prefix, items});
-  CHECK(counts[1] == 3);
-  CHECK((items[0].row0 == 128 && items[1].row0 == 64 && items[2].row0 == 0));
-  plan_window(one, nullptr, 0, AttentionShape{64, 16}, WindowWork{counts, decode_seg, decode_prefix, items});  // default 128
+  plan_window(one, nullptr, 0, AttentionShape{64, 16, 128}, WindowWork{counts, decode_seg, decode_prefix, items});
   CHECK(counts[1] == 2);
   CHECK((items[0].row0 == 128 && items[1].row0 == 0));
+  // The default is the smaller item, which every prefill kernel takes whole.
+  plan_window(one, nullptr, 0, AttentionShape{64, 16}, WindowWork{counts, decode_seg, decode_prefix, items});
+  CHECK(counts[1] == 3);
+  CHECK((items[0].row0 == 128 && items[1].row0 == 64 && items[2].row0 == 0));
+  // Fewer rows than kMinPrefillRows would pass the step block's capacity: planned as 64.
+  plan_window(one, nullptr, 0, AttentionShape{64, 16, 0}, WindowWork{counts, decode_seg, decode_prefix, items});
+  CHECK(counts[1] == 3);
+  CHECK((items[0].row0 == 128 && items[1].row0 == 64 && items[2].row0 == 0));
 }
 
 TEST_CASE("decode work: teams for few short pairs, whole pairs for about one per worker, else the even split") {

@@ -105,8 +105,8 @@ class DeviceShard {
   // True when attend runs the table kernels (tensor cores, position ranges) rather than the reference.
   [[nodiscard]] bool runs_table_kernels() const noexcept { return table_.has_value() && choice_ == KernelChoice::automatic; }
   // True when the table kernels' prefill is the Hopper (wgmma) kernel: an sm_90a build on an sm_90
-  // device, bf16 / fp16 storage, D 64 or 128, and CELLKV_PREFILL_KERNEL=mma not set when the cache
-  // was made (table_attention.cuh).
+  // device, bf16 / fp16 storage, D 64 or 128, the kernel's launch registers cover its warpgroups'
+  // split, and CELLKV_PREFILL_KERNEL=mma not set when the cache was made (table_attention.cuh).
   [[nodiscard]] bool runs_wgmma_prefill() const noexcept { return runs_table_kernels() && table_->wgmma_prefill(); }
   // Picks the kernels of later uploads and forwards (applies from the next upload).
   void use_kernels(KernelChoice choice) noexcept { choice_ = choice; }

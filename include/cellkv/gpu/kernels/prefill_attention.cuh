@@ -351,7 +351,7 @@ struct PrefillWork {
   int hk = 0;
   int own_begin = 0;  // the first position the item's segment reads itself (shared_fold.cuh)
 };
-template <int kItemRows = kPrefillRows, class T, class Rows, class S>
+template <int kItemRows, class T, class Rows, class S>
 __device__ PrefillWork prefill_work(const LayerArgs<T, Rows, S>& a, int item) {
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
   const PrefillItem w = a.work.prefill[item / heads_kv];

@@ -75,6 +75,7 @@ struct WgmmaPrefill {
   static constexpr int kBarriers = kAbsent + 16 * kStages;
   static constexpr int kBytes = kBarriers + 8 * (2 * kStages + 2);
   static constexpr int kAllocation = kBytes + 1024;  // room to align the base
+  static_assert(kAllocation <= 232448, "fits the opt-in shared memory of a Hopper block (227 KB)");
 };
 
 // The four barriers' roles, in shared memory.
@@ -122,7 +123,7 @@ struct ProducerLane {
   const char* k;             // K of (row 0, the item's KV head), this lane's chunk
   const char* v;             // the same in V
   std::uint32_t row_bytes;   // bytes from one pool row to the next
-  std::uint32_t dst;         // this lane's chunk in the warp's first row of a stage's K tile, less its swizzle
+  std::uint32_t dst;         // this lane's chunk in its pass-0 row (32 warp + sub) of a stage's K tile, less its swizzle
   std::uint32_t swizzle;     // ((chunk & 7) ^ (row & 7)) << 4 of pass 0's row
   __device__ ProducerLane(const PoolView<const T>& pool, int hk, int warp, int lane) {
     using KV = typename WgmmaPrefill<D>::KV;
@@ -175,7 +176,7 @@ __device__ void produce_prefill(const PrefillArgs<T, Rows>& a, std::uint32_t bas
   const int table_tile = 32 * warp / kPrefillTile * kPrefillTile, in_table_tile = 32 * warp - table_tile + lane;
   RingCursor<L::kStages> ring;  // the next stage to fill
   for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
-    const PrefillWork w = prefill_work(a, item);
+    const PrefillWork w = prefill_work<kPrefillRows>(a, item);
     const TileSource src = tile_source(w.rows, w.hk, a.window, w.own_begin);
     const WideSpan span = wide_span(src.span);
     const ProducerLane<T, D> pl(a.pool, w.hk, warp, lane);
@@ -327,7 +328,7 @@ __device__ void consume_prefill(const PrefillArgs<T, Rows>& a, int c, std::uint3
   auto release = [&](const Cursor& t) { (void)::cuda::ptx::mbarrier_arrive(bar.empty + t.stage); };
   auto k_tile = [&](const Cursor& t) { return base + static_cast<std::uint32_t>(t.stage * L::kStageBytes); };
   for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
-    const PrefillWork w = prefill_work(a, item);
+    const PrefillWork w = prefill_work<kPrefillRows>(a, item);
     const WideSpan span = wide_span(tile_source(w.rows, w.hk, a.window, w.own_begin).span);
     const ItemRows rows = sub_rows(w.rows, kConsumerRows * c, kConsumerRows);  // the warpgroup's
     const WarpRows mine(rows.for_warp(warp, lane), a.window);

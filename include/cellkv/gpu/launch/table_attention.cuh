@@ -9,7 +9,8 @@
 //   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
 //   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together;
 //                       prefill_wgmma instead where the device runs sm_90a code (wgmma: Hopper),
-//                       the pool stores bf16 / fp16 and D is 64 or 128. Setting the environment
+//                       the pool stores bf16 / fp16, D is 64 or 128 and the kernel's launch
+//                       registers cover its warpgroups' setmaxnreg split. Setting the environment
 //                       variable CELLKV_PREFILL_KERNEL=mma before a cache is made keeps the
 //                       mma.sync kernel (tests compare the two).
 // The last two fold the shared partials (every split of every run of a token) into their outputs.
