@@ -125,36 +125,26 @@ struct RowState {
   // under the new one).
   template <int NT>
   __device__ __forceinline__ void to_probabilities(float (&s)[NT][4], float (&corr)[2]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
-      const float m_new = fmaxf(m[h], quad_max(mx));
-      const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing yet
-      corr[h] = fast_exp2(m[h] - base);
-      float sum = 0.f;
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-#pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          s[n][e] = fast_exp2(s[n][e] - base);
-          sum += s[n][e];
-        }
-      l[h] = l[h] * corr[h] + sum;
-      m[h] = m_new;
-    }
+    online_softmax(s, corr, [](float x) { return x; }, [](float x, float base) { return x - base; });
   }
   // to_probabilities for raw scores (-inf where masked) and a factor scale_log2 > 0 folded into the
   // exponent: p = 2^(s scale_log2 - m), one FFMA and one exp2 a score.
   template <int NT>
   __device__ __forceinline__ void to_probabilities_scaled(float (&s)[NT][4], float scale_log2, float (&corr)[2]) {
+    online_softmax(s, corr, [=](float x) { return x * scale_log2; },
+                   [=](float x, float base) { return fmaf(x, scale_log2, -base); });
+  }
+  // The online softmax step of both: the row maxima of the scores in log2 units (to_log2 of a raw
+  // maximum: the scale is positive, so it keeps the order), p = 2^exponent(s, new maximum).
+  template <int NT, class ToLog2, class Exponent>
+  __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&corr)[2], ToLog2&& to_log2,
+                                                 Exponent&& exponent) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
 #pragma unroll
       for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
-      const float m_new = fmaxf(m[h], quad_max(mx) * scale_log2);
+      const float m_new = fmaxf(m[h], to_log2(quad_max(mx)));
       const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing yet
       corr[h] = fast_exp2(m[h] - base);
       float sum = 0.f;
@@ -162,7 +152,7 @@ struct RowState {
       for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          s[n][e] = fast_exp2(fmaf(s[n][e], scale_log2, -base));
+          s[n][e] = fast_exp2(exponent(s[n][e], base));
           sum += s[n][e];
         }
       l[h] = l[h] * corr[h] + sum;
