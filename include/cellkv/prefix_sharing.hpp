@@ -9,8 +9,8 @@
 // nested runs, one per class it belongs to, and it reads [own_begin, last query] itself.
 //
 // A run is one unit of work whose query rows are all its members' step tokens x their GQA heads
-// (packed as MMA rows, kSharedRows per item), over the run's positions cut into `splits` KV
-// ranges. Every (run, split) writes a partial result per member token and head into its own slot.
+// (packed as MMA rows, SharingShape::rows per item: what one block of the shared-prefix kernel that
+// runs takes), over the run's positions cut into `splits` KV ranges. Every (run, split) writes a partial result per member token and head into its own slot.
 // A token's slots, every split of every run it belongs to, are consecutive (token_slots; a run's
 // splits consecutive within them); the kernel that reads a segment's own positions folds them all
 // into its output by log-sum-exp (the split-KV merge), so no kernel merges the splits before.
@@ -27,14 +27,15 @@
 
 namespace cellkv {
 
-inline constexpr std::int32_t kSharedRows = 64;      // query rows of one shared item (16 per warp)
+inline constexpr std::int32_t kSharedRows = 64;      // query rows of a shared item of the mma.sync kernel
 inline constexpr std::int32_t kSharedTile = 64;      // positions per KV tile of a shared item (one page)
 inline constexpr std::int32_t kMinSplitTiles = 4;    // a split covers at least this many tiles
 inline constexpr std::int32_t kMaxSplits = 16;       // partial slots per token and run, at most
 
 // Positions [begin, end) (multiples of kPagePositions) that the step tokens
 // run_tokens[token0, token0 + tokens) all see through the same cells; `seq` is a member whose
-// table is read. Split k covers tiles [tiles k / splits, tiles (k + 1) / splits).
+// table is read. Its tiles (kSharedTile positions) are cut into `splits` consecutive ranges whose
+// inner boundaries are multiples of `unit` tiles (split_tiles).
 struct SharedRun {
   std::int32_t seq = 0;
   std::int32_t begin = 0;
@@ -42,9 +43,10 @@ struct SharedRun {
   std::int32_t token0 = 0;
   std::int32_t tokens = 0;
   std::int32_t splits = 1;
+  std::int32_t unit = 1;
 };
 
-// Query rows [row0, row0 + kSharedRows) of a run over its split `split`; row r is member token
+// Query rows [row0, row0 + SharingShape::rows) of a run over its split `split`; row r is member token
 // r / group, query head r % group of the KV head's group. The items of one (run, row0) are
 // consecutive, by split.
 struct SharedItem {
@@ -81,14 +83,23 @@ struct SharingShape {
   std::int32_t workers = 1;    // items x H_kv the shared kernel runs at once (splits aim to fill it)
   std::int32_t max_runs = 0;   // capacity of runs
   std::int32_t slots = 0;      // capacity of partial slots, run tokens and items
+  std::int32_t rows = kSharedRows;  // query rows of an item (one block of the kernel that runs)
+  std::int32_t split_unit = 1;      // tiles a split boundary aligns to (2: the wgmma kernel's 128 positions)
 };
 
-// The KV tiles (kSharedTile positions) [first, first + count) of split `k` of a run.
+// The KV tiles (kSharedTile positions) [first, first + count) of split `k` of a run: the run's tiles
+// in `unit`-tile blocks aligned to tile 0 (the first and last block cut to the run), split k taking
+// blocks [blocks k / splits, blocks (k + 1) / splits). Unit 1: tiles [tiles k / splits, tiles (k + 1)
+// / splits). Every split is non-empty when splits <= blocks.
 CELLKV_HOST_DEVICE constexpr TileSpan split_tiles(const SharedRun& r, std::int32_t k) noexcept {
-  const std::int32_t tiles = (r.end - r.begin) / kSharedTile, first = r.begin / kSharedTile;
-  const std::int32_t lo = static_cast<std::int32_t>(static_cast<std::int64_t>(tiles) * k / r.splits);
-  const std::int32_t hi = static_cast<std::int32_t>(static_cast<std::int64_t>(tiles) * (k + 1) / r.splits);
-  return {first + lo, hi - lo};
+  const std::int32_t first = r.begin / kSharedTile, end = r.end / kSharedTile;
+  const std::int32_t aligned = first / r.unit * r.unit, blocks = (end - aligned + r.unit - 1) / r.unit;
+  auto bound = [&](std::int32_t i) {
+    const std::int32_t at = aligned + r.unit * static_cast<std::int32_t>(static_cast<std::int64_t>(blocks) * i / r.splits);
+    return at < first ? first : at > end ? end : at;
+  };
+  const std::int32_t lo = bound(k), hi = bound(k + 1);
+  return {lo, hi - lo};
 }
 
 }  // namespace cellkv

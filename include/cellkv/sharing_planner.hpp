@@ -95,12 +95,12 @@ class SharingPlanner {
   // last runs (deepest first: runs are in depth-first order) while they do not fit.
   void choose_splits(const SharingShape& shape, const SharedWork& out) {
     std::int64_t blocks = 0;
-    for (const Run& r : runs_) blocks += (tokens_of(r) * shape.group + kSharedRows - 1) / kSharedRows;
+    for (const Run& r : runs_) blocks += (tokens_of(r) * shape.group + shape.rows - 1) / shape.rows;
     // As many splits as still give every item x KV head a worker of its own (one wave).
     const std::int64_t want = blocks == 0 ? 1 : std::max<std::int64_t>(1, shape.workers / (blocks * shape.heads_kv));
     for (Run& r : runs_)
       r.splits = static_cast<std::int32_t>(std::clamp<std::int64_t>(
-          std::min<std::int64_t>(want, (r.end_page - r.begin_page) / kMinSplitTiles), 1, kMaxSplits));
+          std::min<std::int64_t>(want, (r.end_page - r.begin_page) / kMinSplitTiles), 1, kMaxSplits));  // <= its blocks
     if (!fits(shape))
       for (Run& r : runs_) r.splits = 1;
     while (!runs_.empty() && (!fits(shape) || static_cast<std::int32_t>(runs_.size()) > shape.max_runs)) {
@@ -117,7 +117,7 @@ class SharingPlanner {
     for (const Run& r : runs_) {
       const std::int64_t tokens = tokens_of(r);
       slots += tokens * r.splits;
-      items += (tokens * shape.group + kSharedRows - 1) / kSharedRows * r.splits;
+      items += (tokens * shape.group + shape.rows - 1) / shape.rows * r.splits;
     }
     return slots <= shape.slots && items <= shape.slots;
   }
@@ -147,9 +147,9 @@ class SharingPlanner {
       });
       const std::int32_t seq = segments_[static_cast<std::size_t>(members_[static_cast<std::size_t>(r.member0)])].seq;
       out.runs[i] = SharedRun{seq, r.begin_page * kPagePositions, r.end_page * kPagePositions, token0, token_at - token0,
-                              r.splits};
+                              r.splits, shape.split_unit};
       const std::int32_t rows = (token_at - token0) * shape.group;
-      for (std::int32_t row0 = 0; row0 < rows; row0 += kSharedRows)
+      for (std::int32_t row0 = 0; row0 < rows; row0 += shape.rows)
         for (std::int32_t k = 0; k < r.splits; ++k) out.items[items++] = SharedItem{static_cast<std::int32_t>(i), k, row0};
     }
     out.counts[0] = static_cast<std::int32_t>(runs_.size());

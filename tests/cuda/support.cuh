@@ -10,9 +10,12 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cellkv/gpu/dtype.hpp"
@@ -128,6 +131,24 @@ inline double max_relative_difference(const std::vector<double>& a, const std::v
 inline void require_device_ok() {
   REQUIRE(cudaGetLastError() == cudaSuccess);
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+}
+
+// The compute capability's major number of the current device (9: Hopper, where an sm_90a build
+// runs the wgmma kernels).
+inline int compute_major() {
+  int device = 0, major = 0;
+  REQUIRE(cudaGetDevice(&device) == cudaSuccess);
+  REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess);
+  return major;
+}
+
+// Constructs cache.emplace(args...) with CELLKV_PREFILL_KERNEL=mma set (the mma.sync prefill and
+// shared-prefix kernels on every device); the variable unset after.
+template <class Cache, class... Args>
+void make_mma_cache(std::optional<Cache>& cache, Args&&... args) {
+  REQUIRE(setenv("CELLKV_PREFILL_KERNEL", "mma", 1) == 0);
+  cache.emplace(std::forward<Args>(args)...);
+  REQUIRE(unsetenv("CELLKV_PREFILL_KERNEL") == 0);
 }
 
 }  // namespace cellkv::test

@@ -24,21 +24,6 @@ using namespace cellkv;
 using namespace cellkv::test;
 using Model = Windows<0, 300, 0>;
 
-int compute_major() {
-  int device = 0, major = 0;
-  REQUIRE(cudaGetDevice(&device) == cudaSuccess);
-  REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess);
-  return major;
-}
-
-// Makes `cache` with CELLKV_PREFILL_KERNEL=mma set (the mma.sync prefill); the variable unset after.
-template <class Cache>
-void make_mma_cache(std::optional<Cache>& cache, const CacheConfig& config, const gpu::PoolShape& shape) {
-  REQUIRE(setenv("CELLKV_PREFILL_KERNEL", "mma", 1) == 0);
-  cache.emplace(config, shape);
-  REQUIRE(unsetenv("CELLKV_PREFILL_KERNEL") == 0);
-}
-
 // The same verbs on every cache of `caches` (so the same sequence ids and positions).
 template <class Cache, class Verb>
 void on_all(std::vector<Cache*>& caches, Verb&& verb) {

@@ -8,6 +8,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -121,12 +122,20 @@ void churn_run(Shape sh, std::uint64_t seed, int churn_steps, int checked_steps)
 // Shared prefixes: random fork trees (depth up to 4, forks at any offset, inside a tile or at its
 // edges, rewinds below the fork point, sources removed while forks live), then checked steps of
 // decode tokens and prompt chunks of many forks at once. Windows 150 and 700 cut through shared
-// runs. Returns the number of checked steps whose plan had shared items.
+// runs. Returns the number of checked steps whose plan had shared items. mma: the cache made with
+// CELLKV_PREFILL_KERNEL=mma (the mma.sync shared-prefix kernel); else the wgmma kernel runs on
+// Hopper for D 64 and 128.
 template <class Cache>
-int fork_tree_run(Shape sh, std::uint64_t seed, int checked_steps) {
-  Cache cache({.max_write = sh.max_write, .max_cells = sh.max_cells, .max_seqs = 48},
-              {.layers = Cache::Windows::kLayers, .heads_kv = sh.heads_kv, .head_dim = sh.head_dim, .heads_q = sh.heads_q});
+int fork_tree_run(Shape sh, std::uint64_t seed, int checked_steps, bool mma = false) {
+  const CacheConfig config{.max_write = sh.max_write, .max_cells = sh.max_cells, .max_seqs = 48};
+  const gpu::PoolShape shape{.layers = Cache::Windows::kLayers, .heads_kv = sh.heads_kv, .head_dim = sh.head_dim,
+                             .heads_q = sh.heads_q};
+  std::optional<Cache> made;
+  if (mma) make_mma_cache(made, config, shape);
+  else made.emplace(config, shape);
+  Cache& cache = *made;
   REQUIRE(cache.runs_table_kernels());
+  CHECK(cache.runs_wgmma_shared() == (!mma && compute_major() == 9 && (sh.head_dim == 64 || sh.head_dim == 128)));
   ForwardHarness<Cache> harness(cache, sh.heads_q, sh.max_write);
   gpu::Stream stream;
   std::mt19937_64 rng(seed);
@@ -370,6 +379,18 @@ TEST_CASE("shared prefixes: random fork trees read their shared runs once, same 
   CHECK(fork_tree_run<ForkCells<__nv_bfloat16, placement::clustered<64>>>({16, 4, 128, 64, 6000}, 201, 25) >= 5);
   CHECK(fork_tree_run<ForkCells<__half, placement::lowest_free>>({16, 2, 64, 48, 6000}, 202, 25) >= 5);
   CHECK(fork_tree_run<ForkCells<__nv_bfloat16, placement::clustered<16>>>({4, 4, 256, 40, 5000}, 203, 15) >= 5);
+}
+
+TEST_CASE("shared prefixes: a short fork tree on each shared-prefix kernel (the sanitizers' case)") {
+  CHECK(fork_tree_run<ForkCells<__nv_bfloat16, placement::clustered<64>>>({16, 4, 128, 64, 3000}, 204, 8) >= 2);
+  CHECK(fork_tree_run<ForkCells<__nv_bfloat16, placement::clustered<64>>>({16, 4, 128, 64, 3000}, 204, 8, true) >= 2);
+}
+
+TEST_CASE("shared prefixes: the mma.sync shared-prefix kernel (CELLKV_PREFILL_KERNEL=mma) on the same fork trees") {
+  // On Hopper the case above runs shared_prefix_wgmma for D 64 and 128; this one the kernel other
+  // devices run, on the same shapes.
+  CHECK(fork_tree_run<ForkCells<__nv_bfloat16, placement::clustered<64>>>({16, 4, 128, 64, 6000}, 201, 25, true) >= 5);
+  CHECK(fork_tree_run<ForkCells<__half, placement::lowest_free>>({16, 2, 64, 48, 6000}, 202, 25, true) >= 5);
 }
 
 TEST_CASE("shared prefixes: forks decoding off one prompt give the same outputs with and without sharing") {

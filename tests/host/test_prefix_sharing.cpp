@@ -86,12 +86,14 @@ std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Pla
       slots_of[static_cast<std::size_t>(t)] += run.splits;
     }
     CHECK((seqs.size() >= 2 || run.tokens >= 2));  // a run is shared by two segments at least
-    // Its splits partition its tiles.
+    // Its splits partition its tiles, inner boundaries on the kernel's tile (split_unit tiles).
+    CHECK(run.unit == shape.split_unit);
     std::int32_t next = run.begin / kSharedTile;
     for (std::int32_t k = 0; k < run.splits; ++k) {
       const TileSpan s = split_tiles(run, k);
       CHECK(s.first == next);
       CHECK(s.count >= 1);
+      if (k > 0) CHECK(s.first % shape.split_unit == 0);
       next = s.first + s.count;
     }
     CHECK(next == run.end / kSharedTile);
@@ -113,14 +115,14 @@ std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Pla
     REQUIRE(it.run >= 0);
     REQUIRE(it.run < runs);
     CHECK(it.split < w.runs[it.run].splits);
-    CHECK(it.row0 % kSharedRows == 0);
+    CHECK(it.row0 % shape.rows == 0);
     CHECK(it.row0 < w.runs[it.run].tokens * shape.group);
     CHECK(items.insert({it.run, it.split, it.row0}).second);
   }
   std::size_t want_items = 0;
   for (std::int32_t r = 0; r < runs; ++r)
     want_items += static_cast<std::size_t>(w.runs[r].splits) *
-                  static_cast<std::size_t>((w.runs[r].tokens * shape.group + kSharedRows - 1) / kSharedRows);
+                  static_cast<std::size_t>((w.runs[r].tokens * shape.group + shape.rows - 1) / shape.rows);
   CHECK(items.size() == want_items);
   CHECK(w.item_count() <= shape.slots);
   std::int32_t run_tokens = 0;
@@ -247,6 +249,41 @@ TEST_CASE("prefix sharing plan: random fork trees, runs and own ranges partition
   for (std::uint64_t seed = 1; seed <= 6; ++seed) random_trees(seed, roomy, true);
 }
 
+TEST_CASE("prefix sharing plan: items of 128 rows and splits on 128-position tiles (the wgmma kernel's shape)") {
+  const SharingShape wide{.group = 4, .heads_kv = 8, .workers = 132, .max_runs = 128, .slots = 4096, .rows = 128, .split_unit = 2};
+  for (std::uint64_t seed = 21; seed <= 26; ++seed) random_trees(seed, wide, true);
+}
+
+TEST_CASE("prefix sharing plan: split_tiles partitions any run into non-empty splits on unit boundaries") {
+  // Brute force: every tile of the run in exactly one split, splits in order, each non-empty, every
+  // inner boundary a multiple of the unit, and each split within one tile of the even share.
+  for (std::int32_t unit : {1, 2, 4})
+    for (std::int32_t first = 0; first < 9; ++first)
+      for (std::int32_t tiles = 1; tiles <= 40; ++tiles) {
+        const std::int32_t blocks = ((first + tiles) - first / unit * unit + unit - 1) / unit;
+        for (std::int32_t splits = 1; splits <= std::min(blocks, kMaxSplits); ++splits) {
+          CAPTURE(unit);
+          CAPTURE(first);
+          CAPTURE(tiles);
+          CAPTURE(splits);
+          const SharedRun run{0, first * kSharedTile, (first + tiles) * kSharedTile, 0, 1, splits, unit};
+          std::vector<int> owner(static_cast<std::size_t>(tiles), -1);
+          std::int32_t next = first;
+          for (std::int32_t k = 0; k < splits; ++k) {
+            const TileSpan s = split_tiles(run, k);
+            REQUIRE(s.first == next);
+            REQUIRE(s.count >= 1);
+            if (k > 0) CHECK(s.first % unit == 0);
+            CHECK(s.count <= (blocks + splits - 1) / splits * unit);
+            for (std::int32_t t = s.first; t < s.first + s.count; ++t) owner[static_cast<std::size_t>(t - first)] = k;
+            next = s.first + s.count;
+          }
+          CHECK(next == first + tiles);
+          CHECK(std::count(owner.begin(), owner.end(), -1) == 0);
+        }
+      }
+}
+
 TEST_CASE("prefix sharing plan: tight capacities drop deep runs and stay complete") {
   const SharingShape tight{.group = 8, .heads_kv = 2, .workers = 1000, .max_runs = 3, .slots = 40};
   for (std::uint64_t seed = 11; seed <= 14; ++seed) random_trees(seed, tight, false);
@@ -271,6 +308,15 @@ TEST_CASE("prefix sharing plan: 64 forks of one prompt share it in one run, spli
   // 256 rows = 4 blocks x 8 KV heads = 32 items per split; 264 workers take 8 splits in one wave.
   CHECK(run.splits == 8);
   for (std::int32_t s = 0; s < 64; ++s) CHECK(plan.view.own_begin[s] == 4096);
+  // The wgmma kernel's shape: 256 rows = 2 items of 128 x 8 KV heads = 16 per split; one block per
+  // SM of 132 takes 8 splits, each 4 wide tiles.
+  const SharingShape wide{.group = 4, .heads_kv = 8, .workers = 132, .max_runs = 128, .slots = 2048, .rows = 128, .split_unit = 2};
+  Plan wide_plan(128, wide);
+  planner.plan(cache.step().segments, cache.table(), wide, wide_plan.view);
+  REQUIRE(check_plan(cache, wide, wide_plan, true) == 1);
+  CHECK(wide_plan.view.runs[0].splits == 8);
+  CHECK(wide_plan.view.item_count() == 16);
+  for (std::int32_t k = 0; k < 8; ++k) CHECK(split_tiles(wide_plan.view.runs[0], k).count == 8);
 }
 
 TEST_CASE("prefix sharing plan: a step without forks plans nothing") {

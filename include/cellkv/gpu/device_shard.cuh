@@ -108,6 +108,9 @@ class DeviceShard {
   // device, bf16 / fp16 storage, D 64 or 128, the kernel's launch registers cover its warpgroups'
   // split, and CELLKV_PREFILL_KERNEL=mma not set when the cache was made (table_attention.cuh).
   [[nodiscard]] bool runs_wgmma_prefill() const noexcept { return runs_table_kernels() && table_->wgmma_prefill(); }
+  // True when the shared prefixes run on the Hopper kernel too (shared_prefix_wgmma: the same
+  // conditions, checked for that kernel; items of 128 rows, splits of whole 128-position tiles).
+  [[nodiscard]] bool runs_wgmma_shared() const noexcept { return runs_table_kernels() && table_->wgmma_shared(); }
   // Picks the kernels of later uploads and forwards (applies from the next upload).
   void use_kernels(KernelChoice choice) noexcept { choice_ = choice; }
   // Whether later uploads look for prefixes that sequences of the step share (cell layout, table

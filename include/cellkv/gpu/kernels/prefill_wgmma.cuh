@@ -2,7 +2,10 @@
 // by a producer warpgroup, read through the position tables.
 //
 // Work item = (prefill item, KV head), as prefill_attention.cuh: kPrefillRows (128) query rows of
-// one segment (token x GQA head of the group). Block: three warpgroups.
+// one segment (token x GQA head of the group). The block's loop is written for any work (Work:
+// the items, each item's rows, KV head and tiles, and where its rows' results go): PrefillItems
+// here, the shared-prefix items of shared_prefix_attention.cuh (shared_prefix_wgmma). Block: three
+// warpgroups.
 //   producer  (warpgroup 0, kProducerRegisters a thread): per item, the item's queries into the
 //             query tile, then every wide KV tile the item reads (kWgmmaTile = 128 positions,
 //             gathered row by row through the position table with cp.async, holes and unread
@@ -163,21 +166,47 @@ __device__ __forceinline__ void produce_tile(const ProducerLane<T, D>& pl, int i
   }
 }
 
+// What one item of a Work gives the block: its query rows (QRows: ItemRows, or SharedRows of a
+// shared run), its KV head, the tiles it reads, and the split it covers (shared items).
+template <class QRows>
+struct WgmmaItem {
+  QRows rows;
+  int hk = 0;
+  TileSource src;
+  int split = 0;
+};
+
+// The prefill items of the uploaded step (Work of the wgmma block): item i is prefill item
+// i / H_kv, KV head i % H_kv; results to the layer output, folded with the shared partials.
+template <class T, class Rows>
+struct PrefillItems {
+  const PrefillArgs<T, Rows>& a;
+  __device__ int count() const { return a.work.prefill_count() * a.pool.heads_kv; }
+  __device__ WgmmaItem<ItemRows> at(int item, int /*lane*/) const {
+    const PrefillWork w = prefill_work<kPrefillRows>(a, item);
+    return {w.rows, w.hk, tile_source(w.rows, w.hk, a.window, w.own_begin)};
+  }
+  template <int D>
+  __device__ void finish(const WgmmaItem<ItemRows>& it, const ItemRows& mine, RowState<D>& st, int lane) const {
+    write_rows<T, D>(a, mine, it.hk, st, lane);
+  }
+};
+
 // The producer warpgroup (thread t = threadIdx.x in [0, 128)): the queries of every item the block
 // takes, then its wide KV tiles through the ring, all four warps on every tile. The row ids of the
 // next tile are read before the current tile's copies, so their latency hides behind them.
-template <class T, int D, class Rows>
-__device__ void produce_prefill(const PrefillArgs<T, Rows>& a, std::uint32_t base, std::uint32_t* absent,
-                                const PrefillBarriers& bar) {
+template <class T, int D, class Rows, class Work>
+__device__ void produce_tiles(const LayerArgs<T, Rows>& a, const Work& work, std::uint32_t base, std::uint32_t* absent,
+                              const PrefillBarriers& bar) {
   using L = WgmmaPrefill<D>;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
-  const int items = a.work.prefill_count() * a.pool.heads_kv;
+  const int items = work.count();
   // The lane's row of a wide tile: 32 warp + lane, in table tile `table_tile` of the two.
   const int table_tile = 32 * warp / kPrefillTile * kPrefillTile, in_table_tile = 32 * warp - table_tile + lane;
   RingCursor<L::kStages> ring;  // the next stage to fill
   for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
-    const PrefillWork w = prefill_work<kPrefillRows>(a, item);
-    const TileSource src = tile_source(w.rows, w.hk, a.window, w.own_begin);
+    const auto w = work.at(item, lane);
+    const TileSource& src = w.src;
     const WideSpan span = wide_span(src.span);
     const ProducerLane<T, D> pl(a.pool, w.hk, warp, lane);
     auto row_id = [&](int j) {  // the lane's row id in wide tile j
@@ -240,11 +269,12 @@ __device__ __forceinline__ void issue_values(float (&o)[D / 8][4], const std::ui
 }
 
 // A warp's 16 rows of an item as the consumer's tile loop needs them, computed once per item.
+template <class QRows>
 struct WarpRows {
-  ItemRows rows;
-  int first = 0, last = 0;     // query positions of the first and last row
+  QRows rows;
+  int first = 0, last = 0;     // lowest and highest query position of the rows
   int last_sees_from = 0;      // visible_begin(window, last): tiles from here to first need no mask
-  __device__ WarpRows(const ItemRows& mine, int window)
+  __device__ WarpRows(const QRows& mine, int window)
       : rows(mine), first(mine.first()), last(mine.last()), last_sees_from(visible_begin(window, last)) {}
   // Whether every row sees every position of [key0, key0 + keys).
   __device__ __forceinline__ bool sees_all(int key0, int keys) const {
@@ -260,7 +290,8 @@ __device__ __forceinline__ float (&table_tile_of(float (&s)[kWideN][4], int h))[
 // Raw scores of a warp's rows over the wide tile at key0: -inf where a row may not see a column's
 // position or the column is absent (absent[h]: columns [64 h, 64 h + 64)); untouched when every row
 // sees every column.
-__device__ __forceinline__ void mask_scores(float (&s)[kWideN][4], const WarpRows& w, int key0, int window,
+template <class QRows>
+__device__ __forceinline__ void mask_scores(float (&s)[kWideN][4], const WarpRows<QRows>& w, int key0, int window,
                                             const std::uint64_t* absent, int lane) {
   const std::uint64_t lo = absent[0], hi = absent[1];
   if (w.rows.rows == 16 && (lo | hi) == 0 && w.sees_all(key0, kWgmmaTile)) return;
@@ -301,9 +332,12 @@ __device__ __forceinline__ void rescale_rows(RowState<D>& st, const float (&corr
 struct TileRange {
   int lo = 0, hi = 0;
 };
-__device__ inline TileRange tiles_of(const ItemRows& rows, const WideSpan& span, int window) {
+template <class QRows>
+__device__ inline TileRange tiles_of(const QRows& rows, const WideSpan& span, int window) {
   if (rows.rows <= 0) return {};
-  const int lo = max(0, visible_begin(window, rows.first()) / kWgmmaTile - span.first);
+  // Clamped to the span: an empty span (a shared split the window hides from every row) has no
+  // tile to skip either.
+  const int lo = min(span.count, max(0, visible_begin(window, rows.first()) / kWgmmaTile - span.first));
   const int hi = min(span.count, rows.last() / kWgmmaTile - span.first + 1);
   return {lo, max(lo, hi)};
 }
@@ -311,13 +345,13 @@ __device__ inline TileRange tiles_of(const ItemRows& rows, const WideSpan& span,
 // A consumer warpgroup (c = 0 or 1): rows [64 c, 64 c + 64) of every item the block takes. Over the
 // tiles its rows see, S of tile j + 1 and P V of tile j run on the tensor cores while the softmax of
 // tile j + 1 runs (the accumulators of O are rescaled once P V of tile j is done).
-template <class T, int D, class Rows>
-__device__ void consume_prefill(const PrefillArgs<T, Rows>& a, int c, std::uint32_t base, const std::uint64_t* absent,
-                                const PrefillBarriers& bar) {
+template <class T, int D, class Rows, class Work>
+__device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int c, std::uint32_t base,
+                              const std::uint64_t* absent, const PrefillBarriers& bar) {
   using L = WgmmaPrefill<D>;
   using Cursor = RingCursor<L::kStages>;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int items = a.work.prefill_count() * a.pool.heads_kv;
+  const int items = work.count();
   Cursor ring;  // the next tile to consume
   auto take = [&] {  // waits for the next tile; returns its place
     const Cursor t = ring;
@@ -328,9 +362,9 @@ __device__ void consume_prefill(const PrefillArgs<T, Rows>& a, int c, std::uint3
   auto release = [&](const Cursor& t) { (void)::cuda::ptx::mbarrier_arrive(bar.empty + t.stage); };
   auto k_tile = [&](const Cursor& t) { return base + static_cast<std::uint32_t>(t.stage * L::kStageBytes); };
   for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
-    const PrefillWork w = prefill_work<kPrefillRows>(a, item);
-    const WideSpan span = wide_span(tile_source(w.rows, w.hk, a.window, w.own_begin).span);
-    const ItemRows rows = sub_rows(w.rows, kConsumerRows * c, kConsumerRows);  // the warpgroup's
+    const auto w = work.at(item, lane);
+    const WideSpan span = wide_span(w.src.span);
+    const auto rows = sub_rows(w.rows, kConsumerRows * c, kConsumerRows);  // the warpgroup's
     const WarpRows mine(rows.for_warp(warp, lane), a.window);
     // The warpgroup's rows of the Q tile: 64 rows down its 64-column blocks (8-row atoms keep their
     // 1024-byte alignment, so the swizzle holds).
@@ -381,13 +415,15 @@ __device__ void consume_prefill(const PrefillArgs<T, Rows>& a, int c, std::uint3
       release(prev);
     }
     for (int j = seen.hi; j < span.count; ++j) release(take());
-    write_rows<T, D>(a, mine.rows, w.hk, st, lane);
+    work.template finish<D>(w, mine.rows, st, lane);
   }
 }
 
-// T: bf16 or fp16 pool and queries; dynamic smem WgmmaPrefill<D>::kAllocation; kWgmmaPrefillThreads.
-template <class T, int D, class Rows>
-__global__ void __launch_bounds__(kWgmmaPrefillThreads, 1) prefill_wgmma(PrefillArgs<T, Rows> a) {
+// The block of the wgmma kernels over the items of `work` (shared memory laid out as
+// WgmmaPrefill<D>): barriers set up, then the producer and the two consumer warpgroups. Built
+// without sm_90a code it traps: the dispatch never launches it there (sm90a_probe).
+template <class T, int D, class Rows, class Work>
+__device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const Work& work) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgmmaPrefill<D>;
   extern __shared__ __align__(128) unsigned char smem[];  // aligned to 1024 below
@@ -410,15 +446,21 @@ __global__ void __launch_bounds__(kWgmmaPrefillThreads, 1) prefill_wgmma(Prefill
   a.guard.check(a.work);
   if (threadIdx.x < kWarpgroup) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
-    produce_prefill<T, D>(a, base, reinterpret_cast<std::uint32_t*>(absent), bar);
+    produce_tiles<T, D>(a, work, base, reinterpret_cast<std::uint32_t*>(absent), bar);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
-    consume_prefill<T, D>(a, threadIdx.x / kWarpgroup - 1, base, absent, bar);
+    consume_tiles<T, D>(a, work, threadIdx.x / kWarpgroup - 1, base, absent, bar);
   }
 #else
-  (void)a;
-  __trap();  // built without sm_90a code: the dispatch never launches it (sm90a_probe)
+  (void)a, (void)work;
+  __trap();
 #endif
+}
+
+// T: bf16 or fp16 pool and queries; dynamic smem WgmmaPrefill<D>::kAllocation; kWgmmaPrefillThreads.
+template <class T, int D, class Rows>
+__global__ void __launch_bounds__(kWgmmaPrefillThreads, 1) prefill_wgmma(PrefillArgs<T, Rows> a) {
+  wgmma_block<T, D>(a, PrefillItems<T, Rows>{a});
 }
 
 }  // namespace cellkv::gpu::kernels

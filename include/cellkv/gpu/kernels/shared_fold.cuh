@@ -23,30 +23,59 @@ struct SharedFold {
   __device__ __forceinline__ int own_begin_of(int seg) const { return own_begin == nullptr ? 0 : own_begin[seg]; }
 
   // Folds token `token`'s partials of query head `head` into its own result, in place: v(j)
-  // (float&) holds the own normalized output at column col(j) of the row, j < N; lse_own its
-  // log2-sum-exp. Afterwards v is the output over everything the row sees.
+  // (float&) holds the own normalized output at column col(j) of the row, j < N, N even, and
+  // col(j + 1) = col(j) + 1 for even j (pairs are read as float2); lse_own its log2-sum-exp.
+  // Afterwards v is the output over everything the row sees. Partials of weight 0 (an empty split)
+  // are not read into v. A token can hold 16 slots and more, so the loads come in batches with no
+  // branch between them (one round trip per batch): the slots' lse kLseBatch at a time, then the
+  // partials kBatch at a time (8 for a few columns a lane, 1 or 2 for a lane's share of an MMA row,
+  // whose registers the kernels around it need).
   template <int D, int N, class Col, class V>
   __device__ __forceinline__ void fold(int token, int head, int heads_q, float lse_own, Col&& col, V&& v) const {
+    static_assert(N % 2 == 0, "columns in pairs");
+    constexpr int kLseBatch = 8, kBatch = N <= 8 ? 8 : N <= 16 ? 2 : 1;
     if (token_slots == nullptr) return;
     const SlotRange slots = token_slots[token];
     if (slots.count == 0) return;
+    const std::int64_t first = static_cast<std::int64_t>(slots.first) * heads_q + head;  // slot i: + i heads_q
+    auto row_of = [&](int i) { return first + static_cast<std::int64_t>(i) * heads_q; };
     float top = lse_own;
-    for (int i = 0; i < slots.count; ++i)
-      top = fmaxf(top, lse[static_cast<std::int64_t>(slots.first + i) * heads_q + head]);
+    for (int i0 = 0; i0 < slots.count; i0 += kLseBatch) {
+      float l[kLseBatch];
+#pragma unroll
+      for (int k = 0; k < kLseBatch; ++k) l[k] = i0 + k < slots.count ? __ldcg(lse + row_of(i0 + k)) : -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kLseBatch; ++k) top = fmaxf(top, l[k]);
+    }
     if (top == -INFINITY) return;
     float sum = exp2f(lse_own - top);
-    for (int i = 0; i < slots.count; ++i) sum += exp2f(lse[static_cast<std::int64_t>(slots.first + i) * heads_q + head] - top);
-    const float own = exp2f(lse_own - top) / sum;
 #pragma unroll
-    for (int j = 0; j < N; ++j) v(j) *= own;
-    for (int i = 0; i < slots.count; ++i) {
-      const std::int64_t row = static_cast<std::int64_t>(slots.first + i) * heads_q + head;
-      const float w = exp2f(lse[row] - top) / sum;
-      if (w == 0.f) continue;
-      const float* part = o + row * D;
+    for (int j = 0; j < N; ++j) v(j) *= sum;
+    for (int i0 = 0; i0 < slots.count; i0 += kBatch) {
+      float w[kBatch];
+      float2 x[kBatch][N / 2];
 #pragma unroll
-      for (int j = 0; j < N; ++j) v(j) += w * part[col(j)];
+      for (int k = 0; k < kBatch; ++k) {
+        const bool valid = i0 + k < slots.count;
+        const std::int64_t row = row_of(valid ? i0 + k : 0);
+        w[k] = valid ? exp2f(__ldcg(lse + row) - top) : 0.f;
+#pragma unroll
+        for (int j = 0; j < N; j += 2)
+          x[k][j / 2] = valid ? __ldcg(reinterpret_cast<const float2*>(o + row * D + col(j))) : make_float2(0.f, 0.f);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        sum += w[k];
+#pragma unroll
+        for (int j = 0; j < N; j += 2) {
+          v(j) += w[k] == 0.f ? 0.f : w[k] * x[k][j / 2].x;
+          v(j + 1) += w[k] == 0.f ? 0.f : w[k] * x[k][j / 2].y;
+        }
+      }
     }
+    const float inv = 1.f / sum;
+#pragma unroll
+    for (int j = 0; j < N; ++j) v(j) *= inv;
   }
 };
 

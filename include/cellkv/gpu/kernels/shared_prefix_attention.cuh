@@ -1,9 +1,13 @@
 // cellkv/gpu/kernels/shared_prefix_attention.cuh - the shared prefixes of a step, each K/V tile
 // read once for every sequence that shares it (prefix_sharing.hpp).
 //
-// Work item = (shared item, KV head): kSharedRows query rows of a run (its member tokens x the GQA
-// heads of the KV head, 16 per warp) over one split of the run's positions, read through the
-// position table of one member (every member holds the same pages there). Every query of a run
+// Work item = (shared item, KV head): the query rows of a run (its member tokens x the GQA heads of
+// the KV head) over one split of the run's positions, read through the position table of one
+// member (every member holds the same pages there). Two kernels, as for prefill:
+//   shared_prefix_wgmma      on sm_90a for T pools of D 64 and 128 (where prefill_wgmma runs):
+//                            items of kPrefillRows rows, splits aligned to its 128-position tiles
+//                            (SharingShape rows / split_unit), the block of prefill_wgmma.cuh
+//   shared_prefix_attention  elsewhere: items of kSharedRows rows, 16 per warp, attend_block Every query of a run
 // lies past the run, so only a window can hide a held position from a row; mask_tile applies it per
 // row, and masks the holes the shared pages hold for every member (absent columns).
 // Each row's result goes to its token's partial slot for (run, split): the output normalized over
@@ -22,6 +26,7 @@
 #include <cstdint>
 
 #include "cellkv/gpu/kernels/prefill_attention.cuh"
+#include "cellkv/gpu/kernels/prefill_wgmma.cuh"
 #include "cellkv/prefix_sharing.hpp"
 
 namespace cellkv::gpu::kernels {
@@ -65,6 +70,35 @@ struct SharedRows {
   }
 };
 
+// Rows [row0, row0 + count) of `it` (count clamped to what it has, possibly 0); lo and hi stay the
+// item's (a bound for any subset; for_warp narrows them).
+__device__ inline SharedRows sub_rows(SharedRows it, int row0, int count) {
+  it.row0 += row0;
+  it.rows = max(0, min(count, it.rows - row0));
+  return it;
+}
+
+// The rows of shared item `w` of KV group size `group`, at most `max_rows`, with lo and hi left
+// unset.
+template <class T, class Rows, class S>
+__device__ SharedRows shared_rows(const SharedArgs<T, Rows, S>& a, const SharedItem& w, const SharedRun& run, int max_rows) {
+  const int group = a.heads_q / a.pool.heads_kv;
+  SharedRows it{a.sharing.run_tokens + run.token0, a.sharing.run_slot + run.token0, a.token_pos, w.row0, 0, group};
+  it.rows = min(max_rows, run.tokens * group - w.row0);
+  return it;
+}
+
+// Where the rows of a shared item read: KV head hk, split `split` of the run, from the lowest
+// row's window start on (lo: the lowest query position of the rows).
+__device__ inline TileSource shared_source(const SharedRun& run, int split, int hk, int window, int lo) {
+  const TileSpan tiles = split_tiles(run, split);
+  const int begin = max(tiles.first * kSharedTile, visible_begin(window, lo));
+  const PositionRange seen{begin, (tiles.first + tiles.count) * kSharedTile - 1};
+  const TileSpan span = seen.empty() ? TileSpan{0, 0}
+                                     : TileSpan{seen.begin / kSharedTile, seen.end / kSharedTile - seen.begin / kSharedTile + 1};
+  return {run.seq, hk, span, seen};
+}
+
 // Writes a warp's rows as partials of split `split`. The state is consumed.
 template <int D, class QRows>
 __device__ void write_partials(float* partial_o, float* partial_lse, int heads_q, const QRows& mine, int hk, int split,
@@ -88,14 +122,13 @@ __global__ void __launch_bounds__(kPrefillThreads) shared_prefix_attention(Share
   allow_dependent_grids();
   wait_for_prior_grids();
   a.guard.check(a.work);
-  const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
+  const int heads_kv = a.pool.heads_kv;
   const int items = a.sharing.item_count() * heads_kv;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const SharedItem w = a.sharing.items[item / heads_kv];
     const int hk = item % heads_kv;
     const SharedRun run = a.sharing.runs[w.run];
-    SharedRows it{a.sharing.run_tokens + run.token0, a.sharing.run_slot + run.token0, a.token_pos, w.row0, 0, group};
-    it.rows = min(kSharedRows, run.tokens * group - w.row0);
+    SharedRows it = shared_rows(a, w, run, kSharedRows);
     if (threadIdx.x == 0) bounds[0] = INT_MAX, bounds[1] = -1;
     __syncthreads();
     if (threadIdx.x < it.rows) {
@@ -105,16 +138,46 @@ __global__ void __launch_bounds__(kPrefillThreads) shared_prefix_attention(Share
     __syncthreads();
     it.lo = bounds[0];
     it.hi = bounds[1];
-    // What any row of the item sees of the split: from the lowest row's window start on.
-    const TileSpan split = split_tiles(run, w.split);
-    const int begin = max(split.first * kSharedTile, visible_begin(a.window, it.lo));
-    const PositionRange seen{begin, (split.first + split.count) * kSharedTile - 1};
-    const TileSpan span = seen.empty() ? TileSpan{0, 0} : TileSpan{seen.begin / kSharedTile, seen.end / kSharedTile - seen.begin / kSharedTile + 1};
-    attend_block<T, D, Stages>(a, it, TileSource{run.seq, hk, span, seen}, smem, ids,
+    attend_block<T, D, Stages>(a, it, shared_source(run, w.split, hk, a.window, it.lo), smem, ids,
                        [&](const SharedRows& mine, RowState<D>& st, int lane) {
                          write_partials<D>(a.partial_o, a.partial_lse, a.heads_q, mine, hk, w.split, st, lane);
                        });
   }
+}
+
+// The shared items of the uploaded step as a Work of the wgmma block (prefill_wgmma.cuh): item i is
+// shared item i / H_kv, KV head i % H_kv, of up to kPrefillRows rows; results to the partial slots.
+template <class T, class Rows>
+struct SharedItems {
+  const SharedArgs<T, Rows>& a;
+  __device__ int count() const { return a.sharing.item_count() * a.pool.heads_kv; }
+  // Called by whole warps: the rows' lo and hi are reduced over the warp.
+  __device__ WgmmaItem<SharedRows> at(int item, int lane) const {
+    const SharedItem w = a.sharing.items[item / a.pool.heads_kv];
+    const int hk = item % a.pool.heads_kv;
+    const SharedRun run = a.sharing.runs[w.run];
+    SharedRows it = shared_rows(a, w, run, kPrefillRows);
+    int lo = INT_MAX, hi = -1;
+    for (int r = lane; r < it.rows; r += 32) {
+      const int q = it.qpos(r);
+      lo = min(lo, q);
+      hi = max(hi, q);
+    }
+    it.lo = __reduce_min_sync(0xffffffffu, lo);
+    it.hi = __reduce_max_sync(0xffffffffu, hi);
+    return {it, hk, shared_source(run, w.split, hk, a.window, it.lo), w.split};
+  }
+  template <int D>
+  __device__ void finish(const WgmmaItem<SharedRows>& it, const SharedRows& mine, RowState<D>& st, int lane) const {
+    write_partials<D>(a.partial_o, a.partial_lse, a.heads_q, mine, it.hk, it.split, st, lane);
+  }
+};
+
+// T: bf16 or fp16 pool and queries (not fp8); D 64 or 128; dynamic smem WgmmaPrefill<D>::kAllocation;
+// kWgmmaPrefillThreads; grid: one block per SM.
+template <class T, int D, class Rows>
+__global__ void __launch_bounds__(kWgmmaPrefillThreads, 1) shared_prefix_wgmma(SharedArgs<T, Rows> a) {
+  wgmma_block<T, D>(a, SharedItems<T, Rows>{a});
 }
 
 }  // namespace cellkv::gpu::kernels

@@ -5,14 +5,15 @@
 // Per layer, on the caller's stream (capturable: grids depend on the cache's sizes only, and the
 // kernels read the step's work from the step block):
 //   shared_prefix_attention  the step's shared prefixes (cell layout), read once for all who share
-//                            them; partial results per token, run and KV split (prefix_sharing.hpp)
+//                            them; partial results per token, run and KV split (prefix_sharing.hpp);
+//                            shared_prefix_wgmma instead wherever prefill_wgmma runs (below)
 //   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
 //   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together;
 //                       prefill_wgmma instead where the device runs sm_90a code (wgmma: Hopper),
 //                       the pool stores bf16 / fp16, D is 64 or 128 and the kernel's launch
 //                       registers cover its warpgroups' setmaxnreg split. Setting the environment
 //                       variable CELLKV_PREFILL_KERNEL=mma before a cache is made keeps the
-//                       mma.sync kernel (tests compare the two).
+//                       mma.sync kernels, prefill and shared prefix (tests compare the two).
 // The last two fold the shared partials (every split of every run of a token) into their outputs.
 // Outside graph capture a kernel with no work in the uploaded step is not launched at all. On sm_90
 // and later every one of them is a dependent launch (kernels/dependent_launch.cuh): it is scheduled
@@ -149,6 +150,8 @@ class TableAttention {
 
   // Whether prefill runs the Hopper (wgmma) kernel rather than the mma.sync one.
   [[nodiscard]] bool wgmma_prefill() const noexcept { return wgmma_prefill_; }
+  // Whether shared prefixes run shared_prefix_wgmma rather than shared_prefix_attention.
+  [[nodiscard]] bool wgmma_shared() const noexcept { return wgmma_shared_; }
 
   // The geometry the host plans with: the decode tile (positions) and the rows of a prefill item,
   // those one block of the prefill kernel that runs takes at once (128 for prefill_wgmma, 64 for
@@ -159,9 +162,11 @@ class TableAttention {
             wgmma_prefill_ ? kPrefillRows : std::int32_t{kernels::kPrefillBlockRows}};
   }
 
-  // What the sharing planner needs: the kernel's geometry and the step block's capacities.
+  // What the sharing planner needs: the kernel's geometry (the items and split alignment of the
+  // shared-prefix kernel that runs) and the step block's capacities.
   [[nodiscard]] SharingShape sharing_shape(std::int32_t max_runs) const noexcept {
-    return {shape_.heads_q / shape_.heads_kv, shape_.heads_kv, shared_grid_, max_runs, shape_.shared_slots};
+    return {shape_.heads_q / shape_.heads_kv, shape_.heads_kv, shared_grid_, max_runs, shape_.shared_slots,
+            wgmma_shared_ ? kPrefillRows : kSharedRows, wgmma_shared_ ? kernels::kWgmmaTile / kSharedTile : 1};
   }
 
   // One layer's attention through window buffer `buffer` of window `window`: q, out [width, H_q, D];
@@ -239,26 +244,32 @@ class TableAttention {
     CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pre_blocks, pre, kernels::kPrefillThreads, pre_smem));
     decode_grid_ = sms * (dec_blocks > 0 ? dec_blocks : 1);
     prefill_grid_ = sms * (pre_blocks > 0 ? pre_blocks : 1);
-    if constexpr (kWgmmaPrefill<D>) {
-      if (wgmma_prefill_) {  // one block per SM (its shared memory)
-        constexpr int smem = kernels::WgmmaPrefill<D>::kAllocation;
-        CELLKV_CUDA_THROW(cudaFuncSetAttribute(kernels::prefill_wgmma<In, D, Rows>,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-        cudaFuncAttributes attributes{};
-        CELLKV_CUDA_THROW(cudaFuncGetAttributes(&attributes, kernels::prefill_wgmma<In, D, Rows>));
-        // The registers the warpgroups keep must fit what the block is launched with (a compiler
-        // that gave the kernel fewer would make setmaxnreg wait); else the mma.sync kernel runs.
-        wgmma_prefill_ = attributes.numRegs * kernels::kWgmmaPrefillThreads >= kernels::kWgmmaRegisterNeed;
-        if (wgmma_prefill_) prefill_grid_ = sms;
-      }
-    }
     auto* shared = kernels::shared_prefix_attention<In, D, kPrefillStages<D>, Rows, S>;
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(shared, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
     int shared_blocks = 0;
     CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shared_blocks, shared, kernels::kPrefillThreads, pre_smem));
     shared_grid_ = sms * (shared_blocks > 0 ? shared_blocks : 1);
+    if constexpr (kWgmmaPrefill<D>) {
+      if (wgmma_prefill_) {  // one block per SM (its shared memory)
+        wgmma_prefill_ = wgmma_kernel_fits(kernels::prefill_wgmma<In, D, Rows>, kernels::WgmmaPrefill<D>::kAllocation);
+        wgmma_shared_ = wgmma_kernel_fits(kernels::shared_prefix_wgmma<In, D, Rows>, kernels::WgmmaPrefill<D>::kAllocation);
+        if (wgmma_prefill_) prefill_grid_ = sms;
+        if (wgmma_shared_) shared_grid_ = sms;
+      }
+    }
     slots_ = 2 * decode_grid_ * kDec<D>.warps;  // two partial slots per decode worker
     return {};
+  }
+
+  // Raises `kernel`'s shared-memory limit to `smem`; whether the registers its warpgroups keep fit
+  // what the block is launched with (a compiler that gave the kernel fewer would make setmaxnreg
+  // wait; where they do not, the mma.sync kernel runs instead).
+  template <class Kernel>
+  static bool wgmma_kernel_fits(Kernel* kernel, int smem) {
+    CELLKV_CUDA_THROW(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cudaFuncAttributes attributes{};
+    CELLKV_CUDA_THROW(cudaFuncGetAttributes(&attributes, kernel));
+    return attributes.numRegs * kernels::kWgmmaPrefillThreads >= kernels::kWgmmaRegisterNeed;
   }
 
   // The dynamic shared-memory limit is raised right before each launch, in the same code as the
@@ -293,6 +304,11 @@ class TableAttention {
   }
   template <int D>
   Status launch_shared(const kernels::SharedArgs<In, Rows, S>& a, cudaStream_t stream) const {
+    if constexpr (kWgmmaPrefill<D>) {
+      if (wgmma_shared_)
+        return launch(kernels::shared_prefix_wgmma<In, D, Rows>, shared_grid_, kernels::kWgmmaPrefillThreads,
+                      kernels::WgmmaPrefill<D>::kAllocation, dependent_, stream, a);
+    }
     return launch(kernels::shared_prefix_attention<In, D, kPrefillStages<D>, Rows, S>, shared_grid_,
                   kernels::kPrefillThreads, kPreSmem<D>, dependent_, stream, a);
   }
@@ -300,6 +316,7 @@ class TableAttention {
   TableShape shape_;
   bool dependent_ = dependent_launch_supported();  // the layer's kernels as dependent launches (sm_90+)
   bool wgmma_prefill_ = false;                     // prefill runs prefill_wgmma
+  bool wgmma_shared_ = false;                      // shared prefixes run shared_prefix_wgmma
   int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0;
   std::int32_t slots_ = 0;
   DeviceBuffer<float> partial_o_, partial_lse_;
