@@ -10,7 +10,8 @@
 //
 // A run is one unit of work whose query rows are all its members' step tokens x their GQA heads
 // (packed as MMA rows, SharingShape::rows per item: what one block of the shared-prefix kernel that
-// runs takes), over the run's positions cut into `splits` KV ranges. Every (run, split) writes a partial result per member token and head into its own slot.
+// runs takes), over the run's positions cut into `splits` KV ranges. Every (run, split) writes a
+// partial result per member token and head into its own slot.
 // A token's slots, every split of every run it belongs to, are consecutive (token_slots; a run's
 // splits consecutive within them); the kernel that reads a segment's own positions folds them all
 // into its output by log-sum-exp (the split-KV merge), so no kernel merges the splits before.
@@ -29,7 +30,7 @@ namespace cellkv {
 
 inline constexpr std::int32_t kSharedRows = 64;      // query rows of a shared item of the mma.sync kernel
 inline constexpr std::int32_t kSharedTile = 64;      // positions per KV tile of a shared item (one page)
-inline constexpr std::int32_t kMinSplitTiles = 4;    // a split covers at least this many tiles
+inline constexpr std::int32_t kMinSplitTiles = 4;    // a run has at most tiles / kMinSplitTiles splits
 inline constexpr std::int32_t kMaxSplits = 16;       // partial slots per token and run, at most
 
 // Positions [begin, end) (multiples of kPagePositions) that the step tokens

@@ -387,8 +387,8 @@ TEST_CASE("shared prefixes: a short fork tree on each shared-prefix kernel (the 
 }
 
 TEST_CASE("shared prefixes: the mma.sync shared-prefix kernel (CELLKV_PREFILL_KERNEL=mma) on the same fork trees") {
-  // On Hopper the case above runs shared_prefix_wgmma for D 64 and 128; this one the kernel other
-  // devices run, on the same shapes.
+  // On Hopper "random fork trees read their shared runs once" runs shared_prefix_wgmma for D 64
+  // and 128; this case the kernel other devices run, on the same shapes.
   CHECK(fork_tree_run<ForkCells<__nv_bfloat16, placement::clustered<64>>>({16, 4, 128, 64, 6000}, 201, 25, true) >= 5);
   CHECK(fork_tree_run<ForkCells<__half, placement::lowest_free>>({16, 2, 64, 48, 6000}, 202, 25, true) >= 5);
 }

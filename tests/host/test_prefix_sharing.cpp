@@ -256,7 +256,7 @@ TEST_CASE("prefix sharing plan: items of 128 rows and splits on 128-position til
 
 TEST_CASE("prefix sharing plan: split_tiles partitions any run into non-empty splits on unit boundaries") {
   // Brute force: every tile of the run in exactly one split, splits in order, each non-empty, every
-  // inner boundary a multiple of the unit, and each split within one tile of the even share.
+  // inner boundary a multiple of the unit, and no split over ceil(blocks / splits) units.
   for (std::int32_t unit : {1, 2, 4})
     for (std::int32_t first = 0; first < 9; ++first)
       for (std::int32_t tiles = 1; tiles <= 40; ++tiles) {

@@ -4,12 +4,14 @@
 // Work item = (shared item, KV head): the query rows of a run (its member tokens x the GQA heads of
 // the KV head) over one split of the run's positions, read through the position table of one
 // member (every member holds the same pages there). Two kernels, as for prefill:
-//   shared_prefix_wgmma      on sm_90a for T pools of D 64 and 128 (where prefill_wgmma runs):
-//                            items of kPrefillRows rows, splits aligned to its 128-position tiles
+//   shared_prefix_wgmma      on sm_90a for T pools of D 64 and 128 (the conditions of
+//                            prefill_wgmma, its register fit checked for this kernel): items of
+//                            kPrefillRows rows, splits aligned to its 128-position tiles
 //                            (SharingShape rows / split_unit), the block of prefill_wgmma.cuh
-//   shared_prefix_attention  elsewhere: items of kSharedRows rows, 16 per warp, attend_block Every query of a run
-// lies past the run, so only a window can hide a held position from a row; mask_tile applies it per
-// row, and masks the holes the shared pages hold for every member (absent columns).
+//   shared_prefix_attention  elsewhere: items of kSharedRows rows, 16 per warp, attend_block
+// Every query of a run lies past the run, so only a window can hide a held position from a row;
+// the masks apply it per row, and mask the holes the shared pages hold for every member (absent
+// columns).
 // Each row's result goes to its token's partial slot for (run, split): the output normalized over
 // what the split showed it, and the log2-sum-exp of its scores (-inf when it saw nothing). The
 // kernels that read the tokens' own positions fold every slot of a token, each split of each of

@@ -6,7 +6,8 @@
 // kernels read the step's work from the step block):
 //   shared_prefix_attention  the step's shared prefixes (cell layout), read once for all who share
 //                            them; partial results per token, run and KV split (prefix_sharing.hpp);
-//                            shared_prefix_wgmma instead wherever prefill_wgmma runs (below)
+//                            shared_prefix_wgmma instead under prefill_wgmma's conditions (below;
+//                            each kernel's register fit checked for itself)
 //   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
 //   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together;
 //                       prefill_wgmma instead where the device runs sm_90a code (wgmma: Hopper),
@@ -164,6 +165,7 @@ class TableAttention {
 
   // What the sharing planner needs: the kernel's geometry (the items and split alignment of the
   // shared-prefix kernel that runs) and the step block's capacities.
+  static_assert(kernels::kWgmmaTile / kSharedTile <= kMinSplitTiles, "a split of whole units for every split the planner allows");
   [[nodiscard]] SharingShape sharing_shape(std::int32_t max_runs) const noexcept {
     return {shape_.heads_q / shape_.heads_kv, shape_.heads_kv, shared_grid_, max_runs, shape_.shared_slots,
             wgmma_shared_ ? kPrefillRows : kSharedRows, wgmma_shared_ ? kernels::kWgmmaTile / kSharedTile : 1};
