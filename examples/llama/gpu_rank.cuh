@@ -123,6 +123,10 @@ class GpuRank {
     CELLKV_CUDA_THROW(cudaDeviceGetAttribute(&smem_limit_, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     upload_weights(weights);
     allocate();
+    // The uploads (cudaMemcpy from pageable memory may return before the data lands) and the
+    // zeroing (cudaMemset) run on the legacy default stream, which the model's stream (non-blocking)
+    // does not wait for: both must be done before the first forward.
+    CELLKV_CUDA_THROW(cudaDeviceSynchronize());
   }
   GpuRank(const GpuRank&) = delete;
   GpuRank& operator=(const GpuRank&) = delete;
