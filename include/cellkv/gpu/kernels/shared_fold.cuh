@@ -13,7 +13,8 @@
 namespace cellkv::gpu::kernels {
 
 // Shared-prefix results of the current layer, written by the shared-prefix kernel
-// (shared_prefix_attention or shared_prefix_wgmma) before the consumer kernels run. All null when the cache does not share (sequence layout).
+// (shared_prefix_attention or shared_prefix_wgmma) before the consumer kernels run. All null when
+// the cache does not share (sequence layout).
 struct SharedFold {
   const std::int32_t* own_begin = nullptr;  // [segments] first position a segment reads itself
   const SlotRange* token_slots = nullptr;   // [T] each token's partial slots: every split of every run
@@ -25,9 +26,8 @@ struct SharedFold {
   // Folds token `token`'s partials of query head `head` into its own result, in place: v(j)
   // (float&) holds the own normalized output at column col(j) of the row, j < N, N even, and for
   // even j col(j) is even and col(j + 1) = col(j) + 1 (pairs are read as aligned float2); lse_own
-  // its log2-sum-exp.
-  // Afterwards v is the output over everything the row sees. Partials of weight 0 (an empty split)
-  // are not read into v. A token can hold 16 slots and more, so the loads come in batches with no
+  // its log2-sum-exp. Afterwards v is the output over everything the row sees. Partials of weight
+  // 0 (an empty split) are not read into v. A token can hold 16 slots and more, so the loads come in batches with no
   // branch between them (one round trip per batch): the slots' lse kLseBatch at a time, then the
   // partials kBatch at a time (8 for a few columns a lane, 1 or 2 for a lane's share of an MMA row,
   // whose registers the kernels around it need).
