@@ -98,9 +98,11 @@ class SharingPlanner {
     for (const Run& r : runs_) blocks += (tokens_of(r) * shape.group + shape.rows - 1) / shape.rows;
     // As many splits as still give every item x KV head a worker of its own (one wave).
     const std::int64_t want = blocks == 0 ? 1 : std::max<std::int64_t>(1, shape.workers / (blocks * shape.heads_kv));
+    // At most tiles / kMinSplitTiles splits, so at most as many as the run has split_unit blocks
+    // (split_unit <= kMinSplitTiles, table_attention.cuh asserts it): every split is non-empty.
     for (Run& r : runs_)
       r.splits = static_cast<std::int32_t>(std::clamp<std::int64_t>(
-          std::min<std::int64_t>(want, (r.end_page - r.begin_page) / kMinSplitTiles), 1, kMaxSplits));  // <= its blocks
+          std::min<std::int64_t>(want, (r.end_page - r.begin_page) / kMinSplitTiles), 1, kMaxSplits));
     if (!fits(shape))
       for (Run& r : runs_) r.splits = 1;
     while (!runs_.empty() && (!fits(shape) || static_cast<std::int32_t>(runs_.size()) > shape.max_runs)) {
