@@ -8,7 +8,6 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <optional>
 #include <random>
 #include <vector>
