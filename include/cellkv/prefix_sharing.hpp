@@ -49,11 +49,14 @@ struct SharedRun {
 
 // Query rows [row0, row0 + SharingShape::rows) of a run over its split `split`; row r is member token
 // r / group, query head r % group of the KV head's group. The items of one (run, row0) are
-// consecutive, by split.
+// consecutive, by split. [lo, hi]: the lowest and highest query position of the item's rows (the
+// planner's, so the kernels need not read every row's token and position first).
 struct SharedItem {
   std::int32_t run = 0;
   std::int32_t split = 0;
   std::int32_t row0 = 0;
+  std::int32_t lo = 0;
+  std::int32_t hi = 0;
 };
 
 // A token's partial slots: [first, first + count).

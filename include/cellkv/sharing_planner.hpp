@@ -131,7 +131,7 @@ class SharingPlanner {
     std::vector<std::int32_t>& level = scratch_count_;  // per token: its slots so far
     level.assign(tokens, 0);
     for (const Run& r : runs_)
-      for_each_member_token(r, [&](std::int32_t t) { level[static_cast<std::size_t>(t)] += r.splits; });
+      for_each_member_token(r, [&](std::int32_t t, std::int32_t) { level[static_cast<std::size_t>(t)] += r.splits; });
     std::int32_t next = 0;
     for (std::size_t t = 0; t < tokens; ++t) {
       out.token_slots[t] = SlotRange{next, level[t]};
@@ -139,30 +139,39 @@ class SharingPlanner {
       level[t] = 0;
     }
     std::int32_t token_at = 0, items = 0;
+    std::vector<std::int32_t>& position = scratch_position_;  // per run token: its query position
     for (std::size_t i = 0; i < runs_.size(); ++i) {
       const Run& r = runs_[i];
       const std::int32_t token0 = token_at;
-      for_each_member_token(r, [&](std::int32_t t) {
+      position.clear();
+      for_each_member_token(r, [&](std::int32_t t, std::int32_t pos) {
         out.run_tokens[token_at] = t;
         out.run_slot[token_at++] = out.token_slots[t].first + level[static_cast<std::size_t>(t)];
         level[static_cast<std::size_t>(t)] += r.splits;
+        position.push_back(pos);
       });
       const std::int32_t seq = segments_[static_cast<std::size_t>(members_[static_cast<std::size_t>(r.member0)])].seq;
       out.runs[i] = SharedRun{seq, r.begin_page * kPagePositions, r.end_page * kPagePositions, token0, token_at - token0,
                               r.splits, shape.split_unit};
       const std::int32_t rows = (token_at - token0) * shape.group;
-      for (std::int32_t row0 = 0; row0 < rows; row0 += shape.rows)
-        for (std::int32_t k = 0; k < r.splits; ++k) out.items[items++] = SharedItem{static_cast<std::int32_t>(i), k, row0};
+      for (std::int32_t row0 = 0; row0 < rows; row0 += shape.rows) {
+        const auto first = position.begin() + row0 / shape.group;
+        const auto last = position.begin() + (std::min(rows, row0 + shape.rows) - 1) / shape.group + 1;
+        const auto [lo, hi] = std::minmax_element(first, last);
+        for (std::int32_t k = 0; k < r.splits; ++k)
+          out.items[items++] = SharedItem{static_cast<std::int32_t>(i), k, row0, *lo, *hi};
+      }
     }
     out.counts[0] = static_cast<std::int32_t>(runs_.size());
     out.counts[1] = items;
     out.counts[2] = token_at;
   }
+  // f(token, its query position) for every member token of r, member by member.
   template <class F>
   void for_each_member_token(const Run& r, F&& f) const {
     for (std::int32_t m = 0; m < r.members; ++m) {
       const Segment& s = segments_[static_cast<std::size_t>(members_[static_cast<std::size_t>(r.member0 + m)])];
-      for (std::int32_t t = 0; t < s.len; ++t) f(s.tok0 + t);
+      for (std::int32_t t = 0; t < s.len; ++t) f(s.tok0 + t, s.pos0 + t);
     }
   }
 
@@ -171,6 +180,7 @@ class SharingPlanner {
   std::vector<Run> runs_;
   std::vector<std::int32_t> members_;  // segment indices of every run, run by run
   std::vector<std::int32_t> scratch_count_;
+  std::vector<std::int32_t> scratch_position_;
 };
 
 }  // namespace cellkv

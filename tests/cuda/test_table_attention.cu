@@ -393,13 +393,19 @@ TEST_CASE("shared prefixes: the mma.sync shared-prefix kernel (CELLKV_PREFILL_KE
   CHECK(fork_tree_run<ForkCells<__half, placement::lowest_free>>({16, 2, 64, 48, 6000}, 202, 25, true) >= 5);
 }
 
-TEST_CASE("shared prefixes: forks decoding off one prompt give the same outputs with and without sharing") {
+namespace {
+
+// One prompt of `prompt` tokens (64-token chunks), then `forks` sequences decoding off it: the root
+// and forks - 1 clones at the lengths fork_at(f), one token each per step, on a cache that shares
+// prefixes and one that does not (the same verbs, the same data). Every step: the sharing cache
+// plans at least `min_items` shared items, and both match the host reference and each other.
+template <class ForkAt>
+void forks_off_one_prompt(const CacheConfig& config, const gpu::PoolShape& shape, std::int32_t prompt, std::int32_t forks,
+                          ForkAt&& fork_at, std::int32_t min_items, int steps) {
   using Cache = ForkCells<__nv_bfloat16, placement::clustered<64>>;
-  const CacheConfig config{.max_write = 64, .max_cells = 8000, .max_seqs = 48};
-  const gpu::PoolShape shape{.layers = ForkModel::kLayers, .heads_kv = 2, .head_dim = 128, .heads_q = 16};
   Cache shared(config, shape), plain(config, shape);
   plain.share_prefixes(false);
-  ForwardHarness<Cache> hs(shared, 16, 64), hp(plain, 16, 64);
+  ForwardHarness<Cache> hs(shared, shape.heads_q, 64), hp(plain, shape.heads_q, 64);
   gpu::Stream stream;
   std::mt19937_64 data_s(3), data_p(3);
   std::vector<std::int32_t> ids;  // the root and its forks (the same ids in both caches: same verbs)
@@ -408,26 +414,27 @@ TEST_CASE("shared prefixes: forks decoding off one prompt give the same outputs 
     auto& data = c == &shared ? data_s : data_p;
     const std::int32_t root = c->seq_new().value();
     ids = {root};
-    for (int chunk = 0; chunk < 20; ++chunk) {  // a 1280-token prompt
+    for (std::int32_t at = 0; at < prompt; at += 64) {
       REQUIRE(c->declare_step(std::vector<std::int32_t>(64, root)).ok());
       REQUIRE(c->upload(stream).ok());
       h.write_step(64, data, stream);
       REQUIRE(c->commit(stream).ok());
     }
-    for (int f = 0; f < 39; ++f) ids.push_back(c->seq_clone(root, 1280 - (f % 3) * 17).value());  // at and below the end
+    for (std::int32_t f = 1; f < forks; ++f) ids.push_back(c->seq_clone(root, fork_at(f)).value());
   }
-  for (int step = 0; step < 6; ++step) {
+  const auto width = static_cast<std::int32_t>(ids.size());
+  for (int step = 0; step < steps; ++step) {
     CAPTURE(step);
     REQUIRE(shared.declare_step(ids).ok());
     REQUIRE(plain.declare_step(ids).ok());
-    hs.new_inputs(40, data_s);
-    hp.new_inputs(40, data_p);
+    hs.new_inputs(width, data_s);
+    hp.new_inputs(width, data_p);
     REQUIRE(shared.upload(stream).ok());
     REQUIRE(plain.upload(stream).ok());
-    CHECK(shared.shard().work_counts(0).value().shared > 0);
+    CHECK(shared.shard().work_counts(0).value().shared >= min_items);
     CHECK(plain.shard().work_counts(0).value().shared == 0);
-    hs.device_forward(40, stream);
-    hp.device_forward(40, stream);
+    hs.device_forward(width, stream);
+    hp.device_forward(width, stream);
     REQUIRE(shared.commit(stream).ok());
     REQUIRE(plain.commit(stream).ok());
     stream.synchronize();
@@ -436,4 +443,22 @@ TEST_CASE("shared prefixes: forks decoding off one prompt give the same outputs 
     CHECK(max_relative_difference(hs.outputs(), hp.outputs(), 128) <= tolerance<__nv_bfloat16>());
   }
   require_device_ok();
+}
+
+}  // namespace
+
+TEST_CASE("shared prefixes: forks decoding off one prompt give the same outputs with and without sharing") {
+  // 40 sequences of a 1,280-token prompt, forked at and below its end.
+  forks_off_one_prompt({.max_write = 64, .max_cells = 8000, .max_seqs = 48},
+                       {.layers = ForkModel::kLayers, .heads_kv = 2, .head_dim = 128, .heads_q = 16}, 1280, 40,
+                       [](std::int32_t f) { return 1280 - (f - 1) % 3 * 17; }, 1, 6);
+}
+
+TEST_CASE("shared prefixes: 16 forks of a 4,096-token prompt fold more than 8 partial slots a token") {
+  // The benchmark's shape: one run of 64 rows (16 tokens x GQA 4) split to fill the device's SMs,
+  // so each token folds a slot per split (16 on an H200; the fold loads its slots in batches of 8
+  // or 16), on the full-attention layer; the windowed layers' splits are mostly hidden (weight 0).
+  forks_off_one_prompt({.max_write = 64, .max_cells = 4096 + 1024, .max_seqs = 48},
+                       {.layers = ForkModel::kLayers, .heads_kv = 8, .head_dim = 128, .heads_q = 32}, 4096, 16,
+                       [](std::int32_t) { return 4096; }, 9, 3);
 }

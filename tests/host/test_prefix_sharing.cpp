@@ -118,6 +118,16 @@ std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Pla
     CHECK(it.row0 % shape.rows == 0);
     CHECK(it.row0 < w.runs[it.run].tokens * shape.group);
     CHECK(items.insert({it.run, it.split, it.row0}).second);
+    // Its [lo, hi]: the lowest and highest position of the tokens of its rows, brute force.
+    const SharedRun& run = w.runs[it.run];
+    std::int32_t lo = INT32_MAX, hi = -1;
+    for (std::int32_t r = it.row0; r < std::min(run.tokens * shape.group, it.row0 + shape.rows); ++r) {
+      const std::int32_t pos = step.positions[static_cast<std::size_t>(w.run_tokens[run.token0 + r / shape.group])];
+      lo = std::min(lo, pos);
+      hi = std::max(hi, pos);
+    }
+    CHECK(it.lo == lo);
+    CHECK(it.hi == hi);
   }
   std::size_t want_items = 0;
   for (std::int32_t r = 0; r < runs; ++r)

@@ -472,12 +472,20 @@ __device__ void write_merged(const DecodeArgs<T, Rows, S>& a, const PairRows& p,
 }
 
 // A team's part of a pair in shared memory (the warp's own region of the block's dynamic shared
-// memory, once its stages are drained): o [kDecodeRows][D] fp32, normalized, then lse [kDecodeRows].
+// memory, once its stages are drained): o [kDecodeRows][D] fp32, normalized, then lse
+// [kDecodeRows], then (member 0 of the team) which pair the team computed.
+struct TeamPair {
+  Segment seg;
+  int h = 0;
+  int members = 0;  // parts to merge (team_members); 0: the team has no pair
+  __device__ int rows(int group) const { return members > 0 ? seg.len * group : 0; }
+};
 template <int D>
 struct TeamPart {
-  static constexpr int kBytes = kDecodeRows * (D + 1) * 4;
+  static constexpr int kBytes = kDecodeRows * (D + 1) * 4 + static_cast<int>(sizeof(TeamPair));
   float* o;
   __device__ float* lse() const { return o + kDecodeRows * D; }
+  __device__ TeamPair& pair() const { return *reinterpret_cast<TeamPair*>(lse() + kDecodeRows); }
 };
 
 // Stores this warp's part (rows < rows) into its TeamPart.
@@ -492,28 +500,68 @@ __device__ void store_team_part(const TeamPart<D>& part, RowState<D>& st, int ro
   }
 }
 
-// Member 0 of a team, after the block barrier: merges the `members` parts (in the regions of warps
-// warp0, warp0 + 1, ...; each `stride` floats apart) by log-sum-exp and writes the pair's output.
-template <class T, int D, class Rows, class S>
-__device__ void write_team_output(const DecodeArgs<T, Rows, S>& a, const PairRows& p, const TeamPart<D>& first,
-                                  int stride, int members, int lane) {
-  constexpr int kPerRow = D / 4;  // float4 per row
-  for (int idx = lane; idx < p.rows * kPerRow; idx += 32) {
-    const int r = idx / kPerRow, c = idx % kPerRow;
-    float top = -INFINITY;
-    for (int m = 0; m < members; ++m) top = fmaxf(top, first.lse()[m * stride + r]);
-    float sum = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int m = 0; m < members; ++m) {
-      const float e = top == -INFINITY ? 0.f : exp2f(first.lse()[m * stride + r] - top);
-      const float4 v = reinterpret_cast<const float4*>(first.o + m * stride + r * D)[c];
-      sum += e;
-      acc.x += e * v.x, acc.y += e * v.y, acc.z += e * v.z, acc.w += e * v.w;
+// Outputs [4 c0, 4 c0 + 4 Per) of row r of a team's pair (its parts in the TeamParts `stride` floats
+// apart from `first`): the parts merged by log-sum-exp, folded with the token's shared-prefix
+// partials (every slot's loads in flight at once: this runs after the decode loop, whose registers
+// are free), stored.
+template <class T, int D, int Per, class Rows, class S>
+__device__ void write_team_columns(const DecodeArgs<T, Rows, S>& a, const TeamPart<D>& first, int stride, int group,
+                                   int r, int c0) {
+  constexpr int N = 4 * Per;
+  const TeamPair& pair = first.pair();
+  const PairRows p{pair.seg, group, pair.h, pair.seg.len * group};
+  float top = -INFINITY;
+  for (int m = 0; m < pair.members; ++m) top = fmaxf(top, first.lse()[m * stride + r]);
+  float sum = 0.f, v[N] = {};
+  for (int m = 0; m < pair.members; ++m) {
+    const float e = top == -INFINITY ? 0.f : exp2f(first.lse()[m * stride + r] - top);
+    const float4* src = reinterpret_cast<const float4*>(first.o + m * stride + r * D) + c0;
+    sum += e;
+#pragma unroll
+    for (int k = 0; k < Per; ++k) {
+      const float4 x = src[k];
+      v[4 * k] += e * x.x, v[4 * k + 1] += e * x.y, v[4 * k + 2] += e * x.z, v[4 * k + 3] += e * x.w;
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    acc.x *= inv, acc.y *= inv, acc.z *= inv, acc.w *= inv;
-    write_output_quad<T, D>(a, p, r, c, acc, sum > 0.f ? top + log2f(sum) : -INFINITY);
   }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] *= inv;
+  constexpr int kBatch = 64 / N;  // slots whose partials load at once: 64 floats a thread
+  a.shared.template fold<D, N, kBatch, 16>(p.token(r), p.head(r), a.heads_q, sum > 0.f ? top + log2f(sum) : -INFINITY,
+                                           [&](int j) { return 4 * c0 + j; }, [&](int j) -> float& { return v[j]; });
+  T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D + 4 * c0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) dst[j] = from_float<T>(v[j]);
+}
+
+// The block epilogue of teams (after the block barrier): the block's threads share out the outputs
+// of every team's pair, Per quads of columns a thread (the fewest Per that gives every thread at
+// most one unit, up to 4), so the fold's round trips are paid once per thread, not once per quad.
+template <class T, int D, int Warps, int Per, class Rows, class S>
+__device__ void write_team_units(const DecodeArgs<T, Rows, S>& a, unsigned char* smem, int warp_bytes, int team,
+                                 int group, int quads) {
+  constexpr int kQuads = D / 4;  // quads of a row (Per divides it: a unit stays in its row)
+  static_assert(kQuads % Per == 0);
+  for (int u = threadIdx.x; u < quads / Per; u += Warps * 32) {
+    int q = u * Per, j = 0;
+    for (;; j += team) {  // the team whose pair holds quad q
+      const int n = TeamPart<D>{reinterpret_cast<float*>(smem + j * warp_bytes)}.pair().rows(group) * kQuads;
+      if (q < n) break;
+      q -= n;
+    }
+    write_team_columns<T, D, Per>(a, TeamPart<D>{reinterpret_cast<float*>(smem + j * warp_bytes)}, warp_bytes / 4, group,
+                                  q / kQuads, q % kQuads);
+  }
+}
+template <class T, int D, int Warps, class Rows, class S>
+__device__ void write_block_outputs(const DecodeArgs<T, Rows, S>& a, unsigned char* smem, int warp_bytes, int team,
+                                    int group) {
+  int quads = 0;
+  for (int j = 0; j < Warps; j += team)
+    quads += TeamPart<D>{reinterpret_cast<float*>(smem + j * warp_bytes)}.pair().rows(group) * (D / 4);
+  if (quads <= Warps * 32) write_team_units<T, D, Warps, 1>(a, smem, warp_bytes, team, group, quads);
+  else if (quads <= 2 * Warps * 32) write_team_units<T, D, Warps, 2>(a, smem, warp_bytes, team, group, quads);
+  else write_team_units<T, D, Warps, 4>(a, smem, warp_bytes, team, group, quads);
 }
 
 // Merges `members` partials (slots slot_of(i)) of a pair's rows into slot_of(0); the final merge
@@ -728,7 +776,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   const WorkerTiles mine = worker_tiles(a.work, n, heads_kv, longest, static_cast<int>(blockIdx.x), warp,
                                         static_cast<int>(gridDim.x), Warps);
   const std::int64_t g0 = mine.g0, g1 = mine.g1, mode = mine.mode;
-  // mode < 0 (teams of two or more) is block-uniform: then every warp meets the barrier below.
+  // Teams (mode < 0) store their parts for the block's epilogue (write_block_outputs); a team of one
+  // (mode 0) writes its pair from registers right away, with no block barrier (measured: through
+  // the epilogue, the step of 128 forks, 1,024 one-token pairs 8 a block, took 18% longer). mode < 0
+  // is block-uniform: then every warp meets the barrier there.
   if (mode >= 0 && g0 >= g1) return begin_writes();
   constexpr int kWarpBytes = decode_warp_smem_bytes(D, Stages, kBytes);
   static_assert(TeamPart<D>::kBytes <= kWarpBytes, "a team's part fits its warp's stages");
@@ -833,11 +884,11 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
     cp_async_wait<0>();
   }
   if (mode < 0) {
-    __syncthreads();  // every part of every team of the block stored
     const int team = static_cast<int>(-mode);
-    if (threadIdx.x / 32 % team == 0 && g0 < g1)  // member 0, after the loop over its share of pair cc
-      write_team_output<T, D>(a, PairRows{cc.seg, group, cc.h, cc.seg.len * group}, part(), kWarpBytes / 4,
-                              team_members(cc.tiles, team), lane);
+    if (warp % team == 0 && lane == 0)  // member 0, after the loop over its share of pair cc
+      part().pair() = g0 < g1 ? TeamPair{cc.seg, cc.h, team_members(cc.tiles, team)} : TeamPair{};
+    __syncthreads();  // every part and pair of every team of the block stored
+    write_block_outputs<T, D, Warps>(a, smem, kWarpBytes, team, group);
   }
 }
 

@@ -29,12 +29,12 @@ struct SharedFold {
   // its log2-sum-exp. Afterwards v is the output over everything the row sees. Partials of weight
   // 0 (an empty split) are not read into v. A token can hold 16 slots and more, so the loads come in batches with no
   // branch between them (one round trip per batch): the slots' lse kLseBatch at a time, then the
-  // partials kBatch at a time (8 for a few columns a lane, 1 or 2 for a lane's share of an MMA row,
-  // whose registers the kernels around it need).
-  template <int D, int N, class Col, class V>
+  // partials kBatch at a time. The defaults suit a fold inside a kernel's main loop, whose registers
+  // the loop needs (8 for a few columns a lane, 1 or 2 for a lane's share of an MMA row); an
+  // epilogue passes wider batches (kernels/decode_attention.cuh write_block_outputs).
+  template <int D, int N, int kBatch = (N <= 8 ? 8 : N <= 16 ? 2 : 1), int kLseBatch = 8, class Col, class V>
   __device__ __forceinline__ void fold(int token, int head, int heads_q, float lse_own, Col&& col, V&& v) const {
     static_assert(N % 2 == 0, "columns in pairs");
-    constexpr int kLseBatch = 8, kBatch = N <= 8 ? 8 : N <= 16 ? 2 : 1;
     if (token_slots == nullptr) return;
     const SlotRange slots = token_slots[token];
     if (slots.count == 0) return;

@@ -80,14 +80,13 @@ __device__ inline SharedRows sub_rows(SharedRows it, int row0, int count) {
   return it;
 }
 
-// The rows of shared item `w` of KV group size `group`, at most `max_rows`, with lo and hi left
-// unset.
+// The rows of shared item `w` of KV group size `group`, at most `max_rows` (the planner's item
+// rows: their lo and hi are the item's).
 template <class T, class Rows, class S>
 __device__ SharedRows shared_rows(const SharedArgs<T, Rows, S>& a, const SharedItem& w, const SharedRun& run, int max_rows) {
   const int group = a.heads_q / a.pool.heads_kv;
-  SharedRows it{a.sharing.run_tokens + run.token0, a.sharing.run_slot + run.token0, a.token_pos, w.row0, 0, group};
-  it.rows = min(max_rows, run.tokens * group - w.row0);
-  return it;
+  return SharedRows{a.sharing.run_tokens + run.token0, a.sharing.run_slot + run.token0, a.token_pos, w.row0,
+                    min(max_rows, run.tokens * group - w.row0), group, w.lo, w.hi};
 }
 
 // Where the rows of a shared item read: KV head hk, split `split` of the run, from the lowest
@@ -120,7 +119,6 @@ template <class T, int D, int Stages, class Rows, class S = T>
 __global__ void __launch_bounds__(kPrefillThreads) shared_prefix_attention(SharedArgs<T, Rows, S> a) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int ids[2][kPrefillTile];
-  __shared__ int bounds[2];
   allow_dependent_grids();
   wait_for_prior_grids();
   a.guard.check(a.work);
@@ -130,16 +128,7 @@ __global__ void __launch_bounds__(kPrefillThreads) shared_prefix_attention(Share
     const SharedItem w = a.sharing.items[item / heads_kv];
     const int hk = item % heads_kv;
     const SharedRun run = a.sharing.runs[w.run];
-    SharedRows it = shared_rows(a, w, run, kSharedRows);
-    if (threadIdx.x == 0) bounds[0] = INT_MAX, bounds[1] = -1;
-    __syncthreads();
-    if (threadIdx.x < it.rows) {
-      atomicMin(&bounds[0], it.qpos(threadIdx.x));
-      atomicMax(&bounds[1], it.qpos(threadIdx.x));
-    }
-    __syncthreads();
-    it.lo = bounds[0];
-    it.hi = bounds[1];
+    const SharedRows it = shared_rows(a, w, run, kSharedRows);
     attend_block<T, D, Stages>(a, it, shared_source(run, w.split, hk, a.window, it.lo), smem, ids,
                        [&](const SharedRows& mine, RowState<D>& st, int lane) {
                          write_partials<D>(a.partial_o, a.partial_lse, a.heads_q, mine, hk, w.split, st, lane);
@@ -153,20 +142,11 @@ template <class T, class Rows>
 struct SharedItems {
   const SharedArgs<T, Rows>& a;
   __device__ int count() const { return a.sharing.item_count() * a.pool.heads_kv; }
-  // Called by whole warps: the rows' lo and hi are reduced over the warp.
-  __device__ WgmmaItem<SharedRows> at(int item, int lane) const {
+  __device__ WgmmaItem<SharedRows> at(int item, int /*lane*/) const {
     const SharedItem w = a.sharing.items[item / a.pool.heads_kv];
     const int hk = item % a.pool.heads_kv;
     const SharedRun run = a.sharing.runs[w.run];
-    SharedRows it = shared_rows(a, w, run, kPrefillRows);
-    int lo = INT_MAX, hi = -1;
-    for (int r = lane; r < it.rows; r += 32) {
-      const int q = it.qpos(r);
-      lo = min(lo, q);
-      hi = max(hi, q);
-    }
-    it.lo = __reduce_min_sync(0xffffffffu, lo);
-    it.hi = __reduce_max_sync(0xffffffffu, hi);
+    const SharedRows it = shared_rows(a, w, run, kPrefillRows);
     return {it, hk, shared_source(run, w.split, hk, a.window, it.lo), w.split};
   }
   template <int D>
