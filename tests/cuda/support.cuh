@@ -72,16 +72,22 @@ std::vector<double> as_double(const std::vector<T>& v) {
   return out;
 }
 
-// A device array with host round trips (synchronous; tests only).
+// A device array with host round trips (tests only), synchronous with every stream: each round
+// trip first waits for the whole device. cudaMemcpy runs on the legacy default stream, which the
+// caches' non-blocking streams do not wait for, so without that wait an upload could overwrite
+// inputs a kernel queued on a cache's stream has not read yet (a loop of steps that never waits,
+// on a slow or instrumented GPU: under racecheck the fork tests' prompts were written wrong).
 template <class T>
 struct DeviceArray {
   gpu::DeviceBuffer<T> buf;
   explicit DeviceArray(std::size_t n) : buf(n) {}
   explicit DeviceArray(const std::vector<T>& host) : buf(host.size()) { upload(host); }
   void upload(const std::vector<T>& host) {
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     REQUIRE(cudaMemcpy(buf.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
   }
   std::vector<T> download() const {
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
     std::vector<T> host(buf.size());
     REQUIRE(cudaMemcpy(host.data(), buf.data(), host.size() * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
     return host;

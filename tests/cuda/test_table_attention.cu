@@ -7,6 +7,7 @@
 // of fork trees (read once per step by the shared-prefix kernel) against the same oracles.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <random>
@@ -396,16 +397,16 @@ TEST_CASE("shared prefixes: the mma.sync shared-prefix kernel (CELLKV_PREFILL_KE
 namespace {
 
 // One prompt of `prompt` tokens (64-token chunks), then `forks` sequences decoding off it: the root
-// and forks - 1 clones at the lengths fork_at(f), one token each per step, on a cache that shares
-// prefixes and one that does not (the same verbs, the same data). Every step: the sharing cache
-// plans at least `min_items` shared items, and both match the host reference and each other.
+// and forks - 1 clones at the lengths fork_at(f), `per_fork` tokens each per step, on a cache that
+// shares prefixes and one that does not (the same verbs, the same data). Every step: the sharing
+// cache plans at least `min_items` shared items, and both match the host reference and each other.
 template <class ForkAt>
 void forks_off_one_prompt(const CacheConfig& config, const gpu::PoolShape& shape, std::int32_t prompt, std::int32_t forks,
-                          ForkAt&& fork_at, std::int32_t min_items, int steps) {
+                          ForkAt&& fork_at, std::int32_t min_items, int steps, std::int32_t per_fork = 1) {
   using Cache = ForkCells<__nv_bfloat16, placement::clustered<64>>;
   Cache shared(config, shape), plain(config, shape);
   plain.share_prefixes(false);
-  ForwardHarness<Cache> hs(shared, shape.heads_q, 64), hp(plain, shape.heads_q, 64);
+  ForwardHarness<Cache> hs(shared, shape.heads_q, config.max_write), hp(plain, shape.heads_q, config.max_write);
   gpu::Stream stream;
   std::mt19937_64 data_s(3), data_p(3);
   std::vector<std::int32_t> ids;  // the root and its forks (the same ids in both caches: same verbs)
@@ -422,6 +423,9 @@ void forks_off_one_prompt(const CacheConfig& config, const gpu::PoolShape& shape
     }
     for (std::int32_t f = 1; f < forks; ++f) ids.push_back(c->seq_clone(root, fork_at(f)).value());
   }
+  std::vector<std::int32_t> step_ids;  // each sequence's per_fork tokens together: one decode segment
+  for (const std::int32_t id : ids) step_ids.insert(step_ids.end(), static_cast<std::size_t>(per_fork), id);
+  ids = step_ids;
   const auto width = static_cast<std::int32_t>(ids.size());
   for (int step = 0; step < steps; ++step) {
     CAPTURE(step);
@@ -455,10 +459,23 @@ TEST_CASE("shared prefixes: forks decoding off one prompt give the same outputs 
 }
 
 TEST_CASE("shared prefixes: 16 forks of a 4,096-token prompt fold more than 8 partial slots a token") {
-  // The benchmark's shape: one run of 64 rows (16 tokens x GQA 4) split to fill the device's SMs,
-  // so each token folds a slot per split (16 on an H200; the fold loads its slots in batches of 8
-  // or 16), on the full-attention layer; the windowed layers' splits are mostly hidden (weight 0).
+  // The benchmark's shape: one run of 64 rows (16 tokens x GQA 4) split to fill the device's SMs
+  // (the wgmma kernel's grid / H_kv splits, at most 16), so each token folds a slot per split (16
+  // on an H200; the fold loads its slots in batches of 8 or 16), on the full-attention layer; the
+  // windowed layers' splits are mostly hidden (weight 0).
+  int sms = 0;
+  REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess);
   forks_off_one_prompt({.max_write = 64, .max_cells = 4096 + 1024, .max_seqs = 48},
                        {.layers = ForkModel::kLayers, .heads_kv = 8, .head_dim = 128, .heads_q = 32}, 4096, 16,
-                       [](std::int32_t) { return 4096; }, 9, 3);
+                       [](std::int32_t) { return 4096; }, std::clamp(sms / 8, 2, 9), 3);
+}
+
+TEST_CASE("shared prefixes: forks decoding 4 tokens a step (16-row pairs), the decode epilogue's 2- and 4-quad units") {
+  // GQA 4 x 4 tokens: 16-row pairs, 512 quads of columns each. 8 forks: one pair a block (a team
+  // of 8 warps), 2 quads a thread, 8 slots a token; 20 forks: two pairs a block, 4 quads a thread.
+  const gpu::PoolShape shape{.layers = ForkModel::kLayers, .heads_kv = 8, .head_dim = 128, .heads_q = 32};
+  forks_off_one_prompt({.max_write = 256, .max_cells = 2048 + 1024, .max_seqs = 48}, shape, 2048, 8,
+                       [](std::int32_t f) { return 2048 - f % 2 * 40; }, 2, 3, 4);
+  forks_off_one_prompt({.max_write = 128, .max_cells = 1024 + 1024, .max_seqs = 48}, shape, 1024, 20,
+                       [](std::int32_t) { return 1024; }, 1, 3, 4);
 }

@@ -502,8 +502,8 @@ __device__ void store_team_part(const TeamPart<D>& part, RowState<D>& st, int ro
 
 // Outputs [4 c0, 4 c0 + 4 Per) of row r of a team's pair (its parts in the TeamParts `stride` floats
 // apart from `first`): the parts merged by log-sum-exp, folded with the token's shared-prefix
-// partials (every slot's loads in flight at once: this runs after the decode loop, whose registers
-// are free), stored.
+// partials (16 slots' log2-sum-exps and 64 / N slots' partials a round trip: this runs after the
+// decode loop, whose registers are free), stored.
 template <class T, int D, int Per, class Rows, class S>
 __device__ void write_team_columns(const DecodeArgs<T, Rows, S>& a, const TeamPart<D>& first, int stride, int group,
                                    int r, int c0) {
@@ -536,7 +536,7 @@ __device__ void write_team_columns(const DecodeArgs<T, Rows, S>& a, const TeamPa
 
 // The block epilogue of teams (after the block barrier): the block's threads share out the outputs
 // of every team's pair, Per quads of columns a thread (the fewest Per that gives every thread at
-// most one unit, up to 4), so the fold's round trips are paid once per thread, not once per quad.
+// most one unit, up to 4), so the fold's round trips are paid per thread, not per quad.
 template <class T, int D, int Warps, int Per, class Rows, class S>
 __device__ void write_team_units(const DecodeArgs<T, Rows, S>& a, unsigned char* smem, int warp_bytes, int team,
                                  int group, int quads) {

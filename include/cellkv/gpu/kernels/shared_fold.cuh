@@ -31,7 +31,7 @@ struct SharedFold {
   // branch between them (one round trip per batch): the slots' lse kLseBatch at a time, then the
   // partials kBatch at a time. The defaults suit a fold inside a kernel's main loop, whose registers
   // the loop needs (8 for a few columns a lane, 1 or 2 for a lane's share of an MMA row); an
-  // epilogue passes wider batches (kernels/decode_attention.cuh write_block_outputs).
+  // epilogue passes wider batches (kernels/decode_attention.cuh write_team_columns).
   template <int D, int N, int kBatch = (N <= 8 ? 8 : N <= 16 ? 2 : 1), int kLseBatch = 8, class Col, class V>
   __device__ __forceinline__ void fold(int token, int head, int heads_q, float lse_own, Col&& col, V&& v) const {
     static_assert(N % 2 == 0, "columns in pairs");

@@ -80,8 +80,9 @@ __device__ inline SharedRows sub_rows(SharedRows it, int row0, int count) {
   return it;
 }
 
-// The rows of shared item `w` of KV group size `group`, at most `max_rows` (the planner's item
-// rows: their lo and hi are the item's).
+// The rows of shared item `w` of KV group size `group`, at most `max_rows`, with the item's lo and
+// hi from the planner, which computed them over SharingShape::rows rows: max_rows must be that
+// (TableAttention::sharing_shape takes it from the kernel that runs).
 template <class T, class Rows, class S>
 __device__ SharedRows shared_rows(const SharedArgs<T, Rows, S>& a, const SharedItem& w, const SharedRun& run, int max_rows) {
   const int group = a.heads_q / a.pool.heads_kv;
