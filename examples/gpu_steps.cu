@@ -47,9 +47,11 @@ float run_step(Cache& cache, HostPools& host, const std::vector<std::int32_t>& s
   const auto k = random_bf16(static_cast<std::size_t>(T * kHeadsKv * kDim), rng);
   const auto v = random_bf16(k.size(), rng);
   cellkv::gpu::DeviceBuffer<__nv_bfloat16> dq(q.size()), dk(k.size()), dv(v.size()), dout(q.size() * Model::kLayers);
-  cudaMemcpy(dq.data(), q.data(), q.size() * 2, cudaMemcpyHostToDevice);
-  cudaMemcpy(dk.data(), k.data(), k.size() * 2, cudaMemcpyHostToDevice);
-  cudaMemcpy(dv.data(), v.data(), v.size() * 2, cudaMemcpyHostToDevice);
+  // On the cache's stream: a plain cudaMemcpy runs on the legacy default stream, which a
+  // non-blocking stream does not wait for (q, k and v stay alive until the stream is synchronized).
+  cudaMemcpyAsync(dq.data(), q.data(), q.size() * 2, cudaMemcpyHostToDevice, stream);
+  cudaMemcpyAsync(dk.data(), k.data(), k.size() * 2, cudaMemcpyHostToDevice, stream);
+  cudaMemcpyAsync(dv.data(), v.data(), v.size() * 2, cudaMemcpyHostToDevice, stream);
   if (!cache.upload(stream).ok()) return INFINITY;
   for (std::int32_t l = 0; l < Model::kLayers; ++l)
     if (!cache.update_and_attend(l, dq.data(), dk.data(), dv.data(), dout.data() + l * q.size(), T, kHeadsQ, 0.f, stream).ok())

@@ -29,6 +29,7 @@
 #include "cellkv/kv_cache.hpp"
 #include "cellkv/sharing_planner.hpp"
 #include "cellkv/gpu/device_layout.cuh"
+#include "cellkv/gpu/error.hpp"
 #include "cellkv/gpu/key_rotation.cuh"
 #include "cellkv/gpu/kernels/tile_rows.cuh"
 #include "cellkv/gpu/kv_pool.hpp"
@@ -85,6 +86,10 @@ class DeviceShard {
     if constexpr (kTableKernelElement<T>)
       if (table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv))
         table_.emplace(TableShape{shape.heads_q, shape.heads_kv, shape.head_dim, buffers_.shape().shared_slots});
+    // The pool's and the step buffers' initial contents were written with cudaMemset on the legacy
+    // default stream, which a non-blocking stream (the caller's may be one) does not wait for: they
+    // must have landed before the first step's work (TableAttention waits for its own the same way).
+    CELLKV_CUDA_THROW(cudaDeviceSynchronize());
   }
   DeviceShard(const DeviceShard&) = delete;
   DeviceShard& operator=(const DeviceShard&) = delete;
