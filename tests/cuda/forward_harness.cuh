@@ -65,12 +65,10 @@ class ForwardHarness {
     hq_ = random_values<T>(qn, rng);
     hk_ = random_values<T>(kn, rng);
     hv_ = random_values<T>(kn, rng);
-    // The last step's kernels may still read q, k and v (a cache's stream is non-blocking; the
-    // copies below run on the legacy default stream).
-    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
-    REQUIRE(cudaMemcpy(q_.data(), hq_.data(), qn * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
-    REQUIRE(cudaMemcpy(k_.data(), hk_.data(), kn * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
-    REQUIRE(cudaMemcpy(v_.data(), hv_.data(), kn * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+    // DeviceArray waits for the device first: the last step's kernels may still read q, k and v.
+    q_.upload(hq_);
+    k_.upload(hk_);
+    v_.upload(hv_);
     out_.fill(poison<T>());
   }
 

@@ -86,9 +86,9 @@ class DeviceShard {
     if constexpr (kTableKernelElement<T>)
       if (table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv))
         table_.emplace(TableShape{shape.heads_q, shape.heads_kv, shape.head_dim, buffers_.shape().shared_slots});
-    // The pool's and the step buffers' initial contents were written with cudaMemset on the legacy
-    // default stream, which a non-blocking stream (the caller's may be one) does not wait for: they
-    // must have landed before the first step's work (TableAttention waits for its own the same way).
+    // The pool's and the step buffers' initial contents (and the table kernels' merge counters)
+    // were written with cudaMemset on the legacy default stream, which a non-blocking stream (the
+    // caller's may be one) does not wait for: they must have landed before the first step's work.
     CELLKV_CUDA_THROW(cudaDeviceSynchronize());
   }
   DeviceShard(const DeviceShard&) = delete;

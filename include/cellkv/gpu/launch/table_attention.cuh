@@ -143,10 +143,8 @@ class TableAttention {
     partial_o_ = DeviceBuffer<float>(static_cast<std::size_t>(slots_) * kDecodeRows * static_cast<std::size_t>(shape.head_dim));
     partial_lse_ = DeviceBuffer<float>(static_cast<std::size_t>(slots_) * kDecodeRows);
     merge_counts_ = DeviceBuffer<std::int32_t>(static_cast<std::size_t>(kernels::kMergeLevels) * static_cast<std::size_t>(slots_));
+    // On the legacy default stream: the owning DeviceShard's constructor waits for it.
     CELLKV_CUDA_THROW(cudaMemset(merge_counts_.data(), 0, merge_counts_.bytes()));
-    // cudaMemset runs on the legacy default stream, which a non-blocking stream (the caller's may
-    // be one) does not wait for: the zeros must have landed before the first step's kernels.
-    CELLKV_CUDA_THROW(cudaDeviceSynchronize());
     const auto shared_rows = static_cast<std::size_t>(shape.shared_slots) * static_cast<std::size_t>(shape.heads_q);
     shared_o_ = DeviceBuffer<float>(shared_rows * static_cast<std::size_t>(shape.head_dim));
     shared_lse_ = DeviceBuffer<float>(shared_rows);
