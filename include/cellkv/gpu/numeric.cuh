@@ -1,4 +1,5 @@
-// cellkv/gpu/numeric.cuh - element conversions for kernels: load as float, store from float.
+// cellkv/gpu/numeric.cuh - element conversions for kernels (load as float, store from float) and
+// the exponential the softmax kernels use.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,5 +21,16 @@ __device__ __forceinline__ T from_float(float x) {
   else if constexpr (std::is_same_v<T, __half>) return __float2half_rn(x);
   else return __float2bfloat16_rn(x);
 }
+
+namespace kernels {
+
+// 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp; -inf -> 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+}  // namespace kernels
 
 }  // namespace cellkv::gpu

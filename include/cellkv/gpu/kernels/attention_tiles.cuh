@@ -18,18 +18,12 @@
 #include <cstdint>
 
 #include "cellkv/gpu/kernels/mma.cuh"
+#include "cellkv/gpu/numeric.cuh"
 #include "cellkv/visibility.hpp"
 
 namespace cellkv::gpu::kernels {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^x on the special-function unit (ex2.approx.ftz: about 2 ulp; -inf -> 0).
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Query fragments (A operands) of 16 rows of a swizzled query tile: held in registers for
 // D <= 128, read from shared memory at each use for D = 256 (register budget).

@@ -447,15 +447,20 @@ __device__ void load_query_fp16_shared(std::uint32_t tile, const T* src, int hea
   __syncwarp();
 }
 
+// Four outputs at dst (8-byte aligned: a quad of columns) as one 8-byte store.
+template <class T>
+__device__ __forceinline__ void store_quad(T* dst, float x, float y, float z, float w) {
+  *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(x, y), pack2<T>(z, w));
+}
+
 // Columns [4 c, 4 c + 4) of row r of a pair's output from its merged values v (normalized) and
 // log2-sum-exp lse: folded with the token's shared-prefix partials, then stored.
 template <class T, int D, class Rows, class S>
 __device__ __forceinline__ void write_output_quad(const DecodeArgs<T, Rows, S>& a, const PairRows& p, int r, int c,
                                                   float4 v, float lse) {
-  a.shared.template fold<D, 4>(p.token(r), p.head(r), a.heads_q, lse, [&](int e) { return 4 * c + e; },
-                               [&](int e) -> float& { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; });
-  T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D + 4 * c;
-  dst[0] = from_float<T>(v.x), dst[1] = from_float<T>(v.y), dst[2] = from_float<T>(v.z), dst[3] = from_float<T>(v.w);
+  a.shared.template fold<D, 4, 8, 4>(p.token(r), p.head(r), a.heads_q, lse, [&](int e) { return 4 * c + e; },
+                                     [&](int e) -> float& { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; });
+  store_quad<T>(a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D + 4 * c, v.x, v.y, v.z, v.w);
 }
 
 // The output of a pair whose parts were merged into partial slot `slot`. A loop of its own (not
@@ -502,8 +507,8 @@ __device__ void store_team_part(const TeamPart<D>& part, RowState<D>& st, int ro
 
 // Outputs [4 c0, 4 c0 + 4 Per) of row r of a team's pair (its parts in the TeamParts `stride` floats
 // apart from `first`): the parts merged by log-sum-exp, folded with the token's shared-prefix
-// partials (16 slots' log2-sum-exps and 64 / N slots' partials a round trip: this runs after the
-// decode loop, whose registers are free), stored.
+// partials (64 / N slots' log2-sum-exps and partials a round trip: this runs after the decode
+// loop, whose registers are free), stored.
 template <class T, int D, int Per, class Rows, class S>
 __device__ void write_team_columns(const DecodeArgs<T, Rows, S>& a, const TeamPart<D>& first, int stride, int group,
                                    int r, int c0) {
@@ -527,11 +532,11 @@ __device__ void write_team_columns(const DecodeArgs<T, Rows, S>& a, const TeamPa
 #pragma unroll
   for (int j = 0; j < N; ++j) v[j] *= inv;
   constexpr int kBatch = 64 / N;  // slots whose partials load at once: 64 floats a thread
-  a.shared.template fold<D, N, kBatch, 16>(p.token(r), p.head(r), a.heads_q, sum > 0.f ? top + log2f(sum) : -INFINITY,
-                                           [&](int j) { return 4 * c0 + j; }, [&](int j) -> float& { return v[j]; });
+  a.shared.template fold<D, N, kBatch, 4>(p.token(r), p.head(r), a.heads_q, sum > 0.f ? top + log2f(sum) : -INFINITY,
+                                          [&](int j) { return 4 * c0 + j; }, [&](int j) -> float& { return v[j]; });
   T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D + 4 * c0;
 #pragma unroll
-  for (int j = 0; j < N; ++j) dst[j] = from_float<T>(v[j]);
+  for (int k = 0; k < Per; ++k) store_quad<T>(dst + 4 * k, v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
 }
 
 // The block epilogue of teams (after the block barrier): the block's threads share out the outputs

@@ -7,7 +7,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
+#include "cellkv/gpu/numeric.cuh"
 #include "cellkv/prefix_sharing.hpp"
 
 namespace cellkv::gpu::kernels {
@@ -24,56 +26,59 @@ struct SharedFold {
   __device__ __forceinline__ int own_begin_of(int seg) const { return own_begin == nullptr ? 0 : own_begin[seg]; }
 
   // Folds token `token`'s partials of query head `head` into its own result, in place: v(j)
-  // (float&) holds the own normalized output at column col(j) of the row, j < N, N even, and for
-  // even j col(j) is even and col(j + 1) = col(j) + 1 (pairs are read as aligned float2); lse_own
-  // its log2-sum-exp. Afterwards v is the output over everything the row sees. Partials of weight
-  // 0 (an empty split) are not read into v. A token can hold 16 slots and more, so the loads come in batches with no
-  // branch between them (one round trip per batch): the slots' lse kLseBatch at a time, then the
-  // partials kBatch at a time. The defaults suit a fold inside a kernel's main loop, whose registers
-  // the loop needs (8 for a few columns a lane, 1 or 2 for a lane's share of an MMA row); an
-  // epilogue passes wider batches (kernels/decode_attention.cuh write_team_columns).
-  template <int D, int N, int kBatch = (N <= 8 ? 8 : N <= 16 ? 2 : 1), int kLseBatch = 8, class Col, class V>
+  // (float&) holds the own normalized output at column col(j) of the row, j < N, and lse_own its
+  // log2-sum-exp. Columns come in groups of kVec (2 or 4; N a multiple): for j % kVec == 0, col(j)
+  // is a multiple of kVec and col(j + i) = col(j) + i (a group is read as one aligned float2 /
+  // float4). Afterwards v is the output over everything the row sees; when nothing is (every lse
+  // -inf) v is left as it was. Partials of weight 0 (an empty split) are not read into v.
+  // One pass, kBatch slots a round trip (their lse and partials loaded together, no branch between
+  // the loads), the running maximum rescaling v between batches: a token can hold 16 slots and
+  // more. The default suits a fold inside a kernel's main loop, whose registers the loop needs (8
+  // for a few columns a lane, 1 or 2 for a lane's share of an MMA row); an epilogue passes a wider
+  // batch (kernels/decode_attention.cuh write_team_columns).
+  template <int D, int N, int kBatch = (N <= 8 ? 8 : N <= 16 ? 2 : 1), int kVec = 2, class Col, class V>
   __device__ __forceinline__ void fold(int token, int head, int heads_q, float lse_own, Col&& col, V&& v) const {
-    static_assert(N % 2 == 0, "columns in pairs");
+    static_assert((kVec == 2 || kVec == 4) && N % kVec == 0, "columns in aligned groups");
+    using Vec = std::conditional_t<kVec == 4, float4, float2>;
     if (token_slots == nullptr) return;
     const SlotRange slots = token_slots[token];
     if (slots.count == 0) return;
     const std::int64_t first = static_cast<std::int64_t>(slots.first) * heads_q + head;  // slot i: + i heads_q
-    auto row_of = [&](int i) { return first + static_cast<std::int64_t>(i) * heads_q; };
-    float top = lse_own;
-    for (int i0 = 0; i0 < slots.count; i0 += kLseBatch) {
-      float l[kLseBatch];
-#pragma unroll
-      for (int k = 0; k < kLseBatch; ++k) l[k] = i0 + k < slots.count ? __ldcg(lse + row_of(i0 + k)) : -INFINITY;
-#pragma unroll
-      for (int k = 0; k < kLseBatch; ++k) top = fmaxf(top, l[k]);
-    }
-    if (top == -INFINITY) return;
-    float sum = exp2f(lse_own - top);
-#pragma unroll
-    for (int j = 0; j < N; ++j) v(j) *= sum;
+    float top = lse_own, sum = lse_own == -INFINITY ? 0.f : 1.f;
     for (int i0 = 0; i0 < slots.count; i0 += kBatch) {
-      float w[kBatch];
-      float2 x[kBatch][N / 2];
+      float l[kBatch];
+      Vec x[kBatch][N / kVec];
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
         const bool valid = i0 + k < slots.count;
-        const std::int64_t row = row_of(valid ? i0 + k : 0);
-        w[k] = valid ? exp2f(__ldcg(lse + row) - top) : 0.f;
+        const std::int64_t row = first + static_cast<std::int64_t>(valid ? i0 + k : 0) * heads_q;
+        l[k] = valid ? __ldcg(lse + row) : -INFINITY;
 #pragma unroll
-        for (int j = 0; j < N; j += 2)
-          x[k][j / 2] = valid ? __ldcg(reinterpret_cast<const float2*>(o + row * D + col(j))) : make_float2(0.f, 0.f);
+        for (int g = 0; g < N / kVec; ++g)
+          x[k][g] = valid ? __ldcg(reinterpret_cast<const Vec*>(o + row * D + col(g * kVec))) : Vec{};
       }
+      float m = top;
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) m = fmaxf(m, l[k]);
+      if (m == -INFINITY) continue;  // nothing seen so far
+      const float rescale = fast_exp2(top - m);  // 0 when top is -inf: the own part is empty
+      top = m;
+      sum *= rescale;
+#pragma unroll
+      for (int j = 0; j < N; ++j) v(j) *= rescale;
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
-        sum += w[k];
+        const float w = fast_exp2(l[k] - top);
+        sum += w;
 #pragma unroll
-        for (int j = 0; j < N; j += 2) {
-          v(j) += w[k] == 0.f ? 0.f : w[k] * x[k][j / 2].x;
-          v(j + 1) += w[k] == 0.f ? 0.f : w[k] * x[k][j / 2].y;
+        for (int g = 0; g < N / kVec; ++g) {
+          const float* e = reinterpret_cast<const float*>(&x[k][g]);
+#pragma unroll
+          for (int i = 0; i < kVec; ++i) v(g * kVec + i) += w == 0.f ? 0.f : w * e[i];
         }
       }
     }
+    if (top == -INFINITY) return;
     const float inv = 1.f / sum;
 #pragma unroll
     for (int j = 0; j < N; ++j) v(j) *= inv;
