@@ -515,11 +515,14 @@ __device__ void write_team_columns(const DecodeArgs<T, Rows, S>& a, const TeamPa
   constexpr int N = 4 * Per;
   const TeamPair& pair = first.pair();
   const PairRows p{pair.seg, group, pair.h, pair.seg.len * group};
+  // The members' loops stay rolled: this code runs once per thread, cold, and a team merges few parts.
   float top = -INFINITY;
+#pragma unroll 1
   for (int m = 0; m < pair.members; ++m) top = fmaxf(top, first.lse()[m * stride + r]);
   float sum = 0.f, v[N] = {};
+#pragma unroll 1
   for (int m = 0; m < pair.members; ++m) {
-    const float e = top == -INFINITY ? 0.f : exp2f(first.lse()[m * stride + r] - top);
+    const float e = top == -INFINITY ? 0.f : fast_exp2(first.lse()[m * stride + r] - top);
     const float4* src = reinterpret_cast<const float4*>(first.o + m * stride + r * D) + c0;
     sum += e;
 #pragma unroll
@@ -547,8 +550,10 @@ __device__ void write_team_units(const DecodeArgs<T, Rows, S>& a, unsigned char*
                                  int group, int quads) {
   constexpr int kQuads = D / 4;  // quads of a row (Per divides it: a unit stays in its row)
   static_assert(kQuads % Per == 0);
+#pragma unroll 1
   for (int u = threadIdx.x; u < quads / Per; u += Warps * 32) {
     int q = u * Per, j = 0;
+#pragma unroll 1
     for (;; j += team) {  // the team whose pair holds quad q
       const int n = TeamPart<D>{reinterpret_cast<float*>(smem + j * warp_bytes)}.pair().rows(group) * kQuads;
       if (q < n) break;
@@ -562,6 +567,7 @@ template <class T, int D, int Warps, class Rows, class S>
 __device__ void write_block_outputs(const DecodeArgs<T, Rows, S>& a, unsigned char* smem, int warp_bytes, int team,
                                     int group) {
   int quads = 0;
+#pragma unroll 1
   for (int j = 0; j < Warps; j += team)
     quads += TeamPart<D>{reinterpret_cast<float*>(smem + j * warp_bytes)}.pair().rows(group) * (D / 4);
   if (quads <= Warps * 32) write_team_units<T, D, Warps, 1>(a, smem, warp_bytes, team, group, quads);
