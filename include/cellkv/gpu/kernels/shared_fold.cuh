@@ -14,6 +14,12 @@
 
 namespace cellkv::gpu::kernels {
 
+// Component i of a float2 / float4 (i a constant once the caller's loop is unrolled).
+__device__ __forceinline__ float component(const float2& x, int i) { return i == 0 ? x.x : x.y; }
+__device__ __forceinline__ float component(const float4& x, int i) {
+  return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w;
+}
+
 // Shared-prefix results of the current layer, written by the shared-prefix kernel
 // (shared_prefix_attention or shared_prefix_wgmma) before the consumer kernels run. All null when
 // the cache does not share (sequence layout).
@@ -71,11 +77,9 @@ struct SharedFold {
         const float w = fast_exp2(l[k] - top);
         sum += w;
 #pragma unroll
-        for (int g = 0; g < N / kVec; ++g) {
-          const float* e = reinterpret_cast<const float*>(&x[k][g]);
+        for (int g = 0; g < N / kVec; ++g)
 #pragma unroll
-          for (int i = 0; i < kVec; ++i) v(g * kVec + i) += w == 0.f ? 0.f : w * e[i];
-        }
+          for (int i = 0; i < kVec; ++i) v(g * kVec + i) += w == 0.f ? 0.f : w * component(x[k][g], i);
       }
     }
     if (top == -INFINITY) return;
