@@ -465,15 +465,13 @@ TEST_CASE("shared prefixes: 16 forks of a 4,096-token prompt fold more than 8 pa
   // windowed layers' splits are mostly hidden (weight 0).
   int sms = 0;
   REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess);
-  forks_off_one_prompt({.max_write = 64, .max_cells = 4096 + 1024, .max_seqs = 48},
-                       {.layers = ForkModel::kLayers, .heads_kv = 8, .head_dim = 128, .heads_q = 32}, 4096, 16,
-                       [](std::int32_t) { return 4096; }, std::clamp(sms / 8, 2, 9), 3);
+  const CacheConfig config{.max_write = 64, .max_cells = 4096 + 1024, .max_seqs = 48};
+  const gpu::PoolShape shape{.layers = ForkModel::kLayers, .heads_kv = 8, .head_dim = 128, .heads_q = 32};
+  forks_off_one_prompt(config, shape, 4096, 16, [](std::int32_t) { return 4096; }, std::clamp(sms / 8, 2, 9), 3);
   // Half the forks at 2,048: a run [0, 2,048) of all 16 and a nested run [2,048, 4,096) of the root
   // and the forks at 4,096, the splits shared out between the two (8 each on an H200), so those
   // tokens fold the slots of two runs (16) and the others one run's (8); at least one item a run.
-  forks_off_one_prompt({.max_write = 64, .max_cells = 4096 + 1024, .max_seqs = 48},
-                       {.layers = ForkModel::kLayers, .heads_kv = 8, .head_dim = 128, .heads_q = 32}, 4096, 16,
-                       [](std::int32_t f) { return f % 2 == 0 ? 2048 : 4096; }, 2, 3);
+  forks_off_one_prompt(config, shape, 4096, 16, [](std::int32_t f) { return f % 2 == 0 ? 2048 : 4096; }, 2, 3);
 }
 
 TEST_CASE("shared prefixes: forks decoding 4 tokens a step (16-row pairs), the decode epilogue's 2- and 4-quad units") {

@@ -447,6 +447,12 @@ __device__ void load_query_fp16_shared(std::uint32_t tile, const T* src, int hea
   __syncwarp();
 }
 
+// Row r of a pair's output: [D] elements of the layer output [width, H_q, D].
+template <int D, class T, class Rows, class S>
+__device__ __forceinline__ T* output_row(const DecodeArgs<T, Rows, S>& a, const PairRows& p, int r) {
+  return a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D;
+}
+
 // Four outputs at dst (8-byte aligned: a quad of columns) as one 8-byte store.
 template <class T>
 __device__ __forceinline__ void store_quad(T* dst, float x, float y, float z, float w) {
@@ -460,7 +466,7 @@ __device__ __forceinline__ void write_output_quad(const DecodeArgs<T, Rows, S>& 
                                                   float4 v, float lse) {
   a.shared.template fold<D, 4, 8, 4>(p.token(r), p.head(r), a.heads_q, lse, [&](int e) { return 4 * c + e; },
                                      [&](int e) -> float& { return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w; });
-  store_quad<T>(a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D + 4 * c, v.x, v.y, v.z, v.w);
+  store_quad<T>(output_row<D>(a, p, r) + 4 * c, v.x, v.y, v.z, v.w);
 }
 
 // The output of a pair whose parts were merged into partial slot `slot`. A loop of its own (not
@@ -537,7 +543,7 @@ __device__ void write_team_columns(const DecodeArgs<T, Rows, S>& a, const TeamPa
   constexpr int kBatch = 64 / N;  // slots whose partials load at once: 64 floats a thread
   a.shared.template fold<D, N, kBatch, 4>(p.token(r), p.head(r), a.heads_q, sum > 0.f ? top + log2f(sum) : -INFINITY,
                                           [&](int j) { return 4 * c0 + j; }, [&](int j) -> float& { return v[j]; });
-  T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D + 4 * c0;
+  T* dst = output_row<D>(a, p, r) + 4 * c0;
 #pragma unroll
   for (int k = 0; k < Per; ++k) store_quad<T>(dst + 4 * k, v[4 * k], v[4 * k + 1], v[4 * k + 2], v[4 * k + 3]);
 }
@@ -697,7 +703,7 @@ __device__ void finish_pair(const DecodeArgs<T, Rows, S>& a, const PairCursor& c
     if (whole) {
       a.shared.template fold<D, R::kValues>(p.token(r), p.head(r), a.heads_q, res.lse, column,
                                             [&](int j) -> float& { return res.v(j); });
-      T* dst = a.out + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D;
+      T* dst = output_row<D>(a, p, r);
 #pragma unroll
       for (int j = 0; j < R::kValues; ++j) dst[column(j)] = from_float<T>(res.v(j));
     } else {
