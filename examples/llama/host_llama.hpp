@@ -69,9 +69,22 @@ class HostLlama {
  public:
   using Windows = typename Cache::Windows;
 
-  // The cache must have one layer per entry of its window set; pools hold `cache.capacity()` rows.
-  HostLlama(const Config& config, const Weights& weights, Cache& cache)
-      : c_(config), w_(weights), cache_(cache), pool_(config.layers, cache.capacity(), config.heads_kv, config.head_dim) {}
+  // The cache must have one layer per entry of its window set. One host pool per pool of the cache:
+  // the main pool's (cache.capacity() rows) holds every layer, or with window storage the
+  // full-attention layers, and each window pool's the layers of its window.
+  HostLlama(const Config& config, const Weights& weights, Cache& cache) : c_(config), w_(weights), cache_(cache) {
+    std::vector<std::int32_t> layers(1 + Windows::kWindowed.size(), 0);
+    for (std::int32_t l = 0; l < c_.layers; ++l) {
+      const std::int32_t p = pool_of_layer(l);
+      slots_.push_back({p, layers[static_cast<std::size_t>(p)]++});
+    }
+    pools_.emplace_back(layers[0], layers[0] > 0 ? cache.capacity() : 0, c_.heads_kv, c_.head_dim);
+    std::size_t p = 1;
+    for (const std::int32_t w : Windows::kWindowed) {
+      const std::int32_t n = layers[p++];
+      pools_.emplace_back(n, n > 0 ? rows_of_window(w) : 0, c_.heads_kv, c_.head_dim);
+    }
+  }
 
   [[nodiscard]] std::int32_t vocab() const { return c_.vocab; }
   [[nodiscard]] std::int32_t min_prefill_tokens() const { return 2; }
@@ -103,13 +116,41 @@ class HostLlama {
 
   // The logits of the sampled rows of the last forward, row by row (tests).
   [[nodiscard]] std::span<const float> last_logits() const { return logits_; }
-  // The K and V pools (tests: the rows as the last forward left them).
-  [[nodiscard]] cellkv::HostPool<float>& pool() { return pool_; }
+  // The main pool's K and V (tests: the rows as the last forward left them); its layer l is the
+  // model's layer l without window storage (with it, the full-attention layers in order).
+  [[nodiscard]] cellkv::HostPool<float>& pool() { return pools_[0]; }
 
  private:
+  struct LayerSlot {
+    std::int32_t pool = 0;   // index into pools_
+    std::int32_t layer = 0;  // the layer's index in that pool
+  };
+  // 0 for the main pool, 1 + i for the pool of window Windows::kWindowed[i] (window storage).
+  [[nodiscard]] std::int32_t pool_of_layer(std::int32_t l) const {
+    const std::int32_t i = Windows::windowed_index(Windows::window_of_layer(l));
+    return i >= 0 && cellkv::has_window_storage(cache_) ? 1 + i : 0;
+  }
+  [[nodiscard]] std::int64_t rows_of_window(std::int32_t w) const {
+    if constexpr (requires { cache_.pool(w); }) return cache_.pool(w).capacity();
+    else return cache_.capacity();
+  }
+
+  // Every pool applies its pending changes (fork and copy-on-write copies, then the K rows a shift
+  // moved, re-rotated), then the cache acknowledges them.
+  cellkv::Status sync_pools() {
+    if (!cellkv::has_window_storage(cache_)) return pools_[0].sync(cache_, rope_spec(c_));
+    if constexpr (requires { cache_.pool(0); }) {
+      pools_[0].apply(cache_.pending_changes(), rope_spec(c_));
+      std::size_t i = 1;
+      for (const std::int32_t w : Windows::kWindowed) pools_[i++].apply(cache_.pool(w).pending_changes(), rope_spec(c_));
+      cache_.acknowledge_changes();
+    }
+    return {};
+  }
+
   // The forward over tokens_ (ids checked) at step.positions; logits of step.logit_rows.
   cellkv::Status run(const cellkv::batching::ForwardStep& step, std::span<float> logits) {
-    pool_.sync(cache_, rope_spec(c_));  // fork and copy-on-write copies, then K moved by a shift re-rotated
+    if (const cellkv::Status s = sync_pools(); !s.ok()) return s;
     const auto T = tokens_.size();
     const auto dim = static_cast<std::size_t>(c_.dim);
     std::vector<float> x(T * dim), h(T * dim), q(T * static_cast<std::size_t>(c_.q_width())),
@@ -126,8 +167,10 @@ class HostLlama {
       matmul(h, lw.wv, v, c_.dim, c_.kv_width(), false);
       rope(c_, q, c_.heads_q, step.positions);
       rope(c_, k, c_.heads_kv, step.positions);
+      const LayerSlot slot = slots_[static_cast<std::size_t>(l)];
       if (const cellkv::Status s = cellkv::reference::update_and_attend(
-              cache_, Windows::window_of_layer(l), pool_.view(l), std::span<const float>(q), std::span<const float>(k),
+              cache_, Windows::window_of_layer(l), pools_[static_cast<std::size_t>(slot.pool)].view(slot.layer),
+              std::span<const float>(q), std::span<const float>(k),
               std::span<const float>(v), std::span<float>(attn), c_.heads_q, cellkv::reference::default_scale(c_.head_dim));
           !s.ok())
         return s;
@@ -151,7 +194,8 @@ class HostLlama {
   Config c_;
   const Weights& w_;
   Cache& cache_;
-  cellkv::HostPool<float> pool_;
+  std::vector<cellkv::HostPool<float>> pools_;  // [0] the main pool, [1 + i] window pool i
+  std::vector<LayerSlot> slots_;                // [layers]
   std::vector<std::int32_t> tokens_;
   std::vector<float> logits_;
   SampledSteps sampled_;

@@ -4,7 +4,11 @@
 //   kv_pools        2 x layers x (rows + 1) x H_kv x (D x element bytes + scale bytes)
 //                   K and V of every layer, rows = max_cells (cell layout) or max_seqs x max_len
 //                   (sequence layout), + scratch row; scale bytes: the fp32 scale of each row-head
-//                   of an fp8 pool (4), 0 for bf16 / fp16 / fp32 pools (docs/design.md section 5)
+//                   of an fp8 pool (4), 0 for bf16 / fp16 / fp32 pools (docs/design.md section 5).
+//                   With window storage (window_cells > 0) a layer of nonzero window has
+//                   window_cells rows instead (+ scratch row), and the position tables of the
+//                   window pools, PositionTable::flat_size(max_seqs, window_cells, max_cells)
+//                   entries each, join the position table's
 //   step_block      StepBlockLayout(step_block_shape(...)).bytes          (step_block.hpp; with the
 //                   shared-prefix part when the cache shares prefixes)
 //   position_table  4 x PositionTable::flat_size(max_seqs, max_cells)    cell layout
@@ -107,6 +111,14 @@ inline Result<std::size_t> pool_bytes_per_cell(const PoolShape& shape, KvStorage
   return *cell;
 }
 
+// Layers of window set W whose window is `window`.
+template <class W>
+[[nodiscard]] constexpr std::int32_t windows_layers_of(std::int32_t window) noexcept {
+  std::int32_t n = 0;
+  for (const std::int32_t w : W::kPerLayer) n += w == window ? 1 : 0;
+  return n;
+}
+
 // The device bytes a shard of `shape` (its own heads) of a device cache planned by `Host` (a
 // KVCache) allocates for `config`, with the parts `parts` says it builds. Refuses what
 // Host::validate refuses, a non-positive layer, head or head-dim count (bad_shape), an element
@@ -123,16 +135,27 @@ Result<Footprint> device_footprint(const CacheConfig& config, const PoolShape& s
   CacheConfig normal = config;
   if (normal.max_seqs == 0) normal.max_seqs = Host::kMaxSeqs;
   const std::int32_t seqs = normal.max_seqs;
-  const auto rows = static_cast<std::size_t>(L::rows(normal));
   const auto size = [](std::int64_t n) { return static_cast<std::size_t>(n); };
+  // With window storage the layers of each nonzero window keep window_cells rows, the others the
+  // layout's rows; the shard's layers are then the window set's.
+  using W = typename Host::Windows;
+  const bool windowed = config.window_cells > 0;
+  if (windowed && shape.layers != W::kLayers) return Errc::bad_shape;
+  const std::int32_t windowed_layers = windowed ? W::kLayers - windows_layers_of<W>(0) : 0;
   const std::optional<std::size_t> head = detail::size_product({size(shape.head_dim), parts.element_bytes});
-  const std::optional<std::size_t> kv =
-      head && *head <= std::numeric_limits<std::size_t>::max() - parts.scale_bytes
-          ? detail::size_product({2, size(shape.layers), rows + 1, size(shape.heads_kv), *head + parts.scale_bytes})
-          : std::nullopt;
+  const std::optional<std::size_t> row = head && *head <= std::numeric_limits<std::size_t>::max() - parts.scale_bytes
+                                             ? detail::size_product({2, size(shape.heads_kv), *head + parts.scale_bytes})
+                                             : std::nullopt;
+  const std::optional<std::size_t> main_rows =
+      row ? detail::size_product({size(shape.layers - windowed_layers), size(L::rows(normal)) + 1, *row}) : std::nullopt;
+  const std::optional<std::size_t> window_rows =
+      row ? detail::size_product({size(windowed_layers), size(config.window_cells) + 1, *row}) : std::nullopt;
+  const std::optional<std::size_t> kv = main_rows && window_rows ? detail::size_sum({*main_rows, *window_rows}) : std::nullopt;
+  const std::int64_t table_entries =
+      PositionTable::flat_size(seqs, config.max_cells) +
+      (windowed ? W::kWindowedCount * PositionTable::flat_size(seqs, config.window_cells, config.max_cells) : 0);
   const std::optional<std::size_t> table =
-      L::kPositionTable ? detail::size_product({sizeof(std::int32_t), size(PositionTable::flat_size(seqs, config.max_cells))})
-             : std::optional<std::size_t>{0};
+      L::kPositionTable ? detail::size_product({sizeof(std::int32_t), size(table_entries)}) : std::optional<std::size_t>{0};
   const std::optional<std::size_t> mask_bytes =
       L::kPositionTable && parts.masks
           ? detail::size_product({size(Host::Windows::kDistinct), size(config.max_write), size(config.max_cells)})

@@ -68,10 +68,12 @@ class HostFp8Pool {
   }
 
   // Applies what the cache changed since the last sync (fork and copy-on-write copies), then
-  // acknowledges it. Refused (no_key_rotation, nothing applied or acknowledged) while K
-  // re-rotations are pending: fp8 host pools do not re-rotate moved keys.
+  // acknowledges it. Refused, nothing applied or acknowledged: no_key_rotation while K
+  // re-rotations are pending (fp8 host pools do not re-rotate moved keys); bad_argument for a
+  // cache with window storage.
   template <class Cache>
   [[nodiscard]] Status sync(Cache& cache) {
+    if (has_window_storage(cache)) return Errc::bad_argument;
     if (!cache.pending_changes().rotations.empty()) return Errc::no_key_rotation;
     for (const RowCopy& c : cache.pending_changes().copies) copy_rows(c);
     cache.acknowledge_changes();

@@ -5,6 +5,8 @@
 // (cache.pending_changes().copies: the sequence layout's forks, the cell layout's copies on write)
 // and acknowledges the cache's changes, as the device cache's upload does; sync(cache, rope) also
 // re-rotates the K rows seq_add / seq_div moved (pending_changes().rotations) by the model's RoPE.
+// sync serves a cache whose layers all use one pool; with window storage each pool's HostPool
+// runs apply(cache.pool(w).pending_changes()), and the caller then acknowledges once.
 #pragma once
 
 #include <algorithm>
@@ -48,31 +50,45 @@ class HostPool {
                     p.begin() + static_cast<std::ptrdiff_t>(c.dst_row * row_elems()));
   }
 
+  // Runs the copies of `changes` (one pool's: cache.pending_changes(), or with window storage
+  // cache.pool(w).pending_changes() for the pool of window w's layers); acknowledges nothing. With
+  // `rope`, then re-rotates the K rows `changes.rotations` names, in every layer.
+  void apply(const PendingChanges& changes) {
+    for (const RowCopy& c : changes.copies) copy_rows(c);
+  }
+  void apply(const PendingChanges& changes, const RopeSpec& rope) {
+    apply(changes);
+    for (std::int32_t l = 0; l < layers(); ++l) rerotate_keys(view(l), changes.rotations, rope);
+  }
+
   // Applies what the cache changed since the last sync (fork and copy-on-write copies), then
-  // acknowledges it. Refused (no_key_rotation, nothing applied or acknowledged) while K
+  // acknowledges it. Refused, nothing applied or acknowledged: bad_argument for a cache with
+  // window storage (its pools are synced one by one with apply), then no_key_rotation while K
   // re-rotations are pending (seq_add / seq_div moved cells): use sync(cache, rope), or
   // sync_keys_without_position for a model whose keys carry no position (ALiBi, NoPE).
   template <class Cache>
   [[nodiscard]] Status sync(Cache& cache) {
+    if (has_window_storage(cache)) return Errc::bad_argument;
     if (!cache.pending_changes().rotations.empty()) return Errc::no_key_rotation;
-    sync_keys_without_position(cache);
-    return {};
+    return sync_keys_without_position(cache);
   }
   // The copies, then the acknowledgement of everything, re-rotations included (not applied).
   template <class Cache>
-  void sync_keys_without_position(Cache& cache) {
-    for (const RowCopy& c : cache.pending_changes().copies) copy_rows(c);
+  [[nodiscard]] Status sync_keys_without_position(Cache& cache) {
+    if (has_window_storage(cache)) return Errc::bad_argument;
+    apply(cache.pending_changes());
     cache.acknowledge_changes();
+    return {};
   }
   // The same, then the K rows of every layer named by pending_changes().rotations re-rotated from
   // old_pos to new_pos by `rope` (rerotate_keys; the spec passed check_rope for head_dim()), as a
   // device cache's upload does with its KeyRotation.
   template <class Cache>
-  void sync(Cache& cache, const RopeSpec& rope) {
-    const PendingChanges changes = cache.pending_changes();
-    for (const RowCopy& c : changes.copies) copy_rows(c);
-    for (std::int32_t l = 0; l < layers(); ++l) rerotate_keys(view(l), changes.rotations, rope);
+  [[nodiscard]] Status sync(Cache& cache, const RopeSpec& rope) {
+    if (has_window_storage(cache)) return Errc::bad_argument;
+    apply(cache.pending_changes(), rope);
     cache.acknowledge_changes();
+    return {};
   }
 
  private:

@@ -31,6 +31,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cassert>
 #include <cstdint>
 #include <span>
 #include <stdexcept>
@@ -45,13 +46,19 @@ class PositionTable {
   PositionTable() = default;
   // Room for max_seqs sequences over a pool of max_cells cells (a sequence holds at most
   // max_cells positions). Preconditions: both positive.
-  PositionTable(std::int32_t max_seqs, std::int32_t max_cells)
+  PositionTable(std::int32_t max_seqs, std::int32_t max_cells) : PositionTable(max_seqs, max_cells, max_cells) {}
+  // The same with positions reaching [0, 64 * pages_for(max_positions)) (max_positions >=
+  // max_cells): a window pool's table, whose sequences hold only their last positions (the main
+  // pool's table reaches max_positions). Its edits mirror the main table's on fewer positions, so
+  // it keeps as many pages as the main table, and one more per sequence for the page a release
+  // of its first pages (drop_pages) can leave before an edit's copy on write.
+  PositionTable(std::int32_t max_seqs, std::int32_t max_cells, std::int32_t max_positions)
       : max_seqs_(max_seqs),
-        dir_stride_(pages_for(max_cells)),
-        page_capacity_(pages_for(max_cells) + 2 * max_seqs),
+        dir_stride_(pages_for(max_positions)),
+        page_capacity_(page_capacity_for(max_seqs, max_cells, max_positions)),
         length_(static_cast<std::size_t>(max_seqs), 0),
         refs_(static_cast<std::size_t>(page_capacity_), 0) {
-    flat_.assign(static_cast<std::size_t>(flat_size(max_seqs, max_cells)), -1);
+    flat_.assign(static_cast<std::size_t>(flat_size(max_seqs, max_cells, max_positions)), -1);
     changed_flag_.assign(flat_.size(), 0);
     free_pages_.reserve(static_cast<std::size_t>(page_capacity_));
     for (std::int32_t p = page_capacity_; p-- > 0;) free_pages_.push_back(p);  // lowest id handed out first
@@ -61,17 +68,27 @@ class PositionTable {
   static constexpr std::int32_t pages_for(std::int32_t positions) noexcept {
     return positions <= 0 ? 0 : (positions - 1) / kPagePositions + 1;
   }
+  // Pages a table of these sizes holds (see the header comment for the bound).
+  static constexpr std::int32_t page_capacity_for(std::int32_t max_seqs, std::int32_t max_cells,
+                                                  std::int32_t max_positions) noexcept {
+    return max_positions > max_cells ? pages_for(max_positions) + 3 * max_seqs : pages_for(max_cells) + 2 * max_seqs;
+  }
   // Entries of the flat array (directory + pages) for a cache of these sizes.
   static constexpr std::int64_t flat_size(std::int32_t max_seqs, std::int32_t max_cells) noexcept {
-    const std::int64_t dir = static_cast<std::int64_t>(max_seqs) * pages_for(max_cells);
-    const std::int64_t pages = static_cast<std::int64_t>(pages_for(max_cells)) + 2 * static_cast<std::int64_t>(max_seqs);
-    return dir + pages * kPagePositions;
+    return flat_size(max_seqs, max_cells, max_cells);
+  }
+  static constexpr std::int64_t flat_size(std::int32_t max_seqs, std::int32_t max_cells, std::int32_t max_positions) noexcept {
+    const std::int64_t dir = static_cast<std::int64_t>(max_seqs) * pages_for(max_positions);
+    return dir + static_cast<std::int64_t>(page_capacity_for(max_seqs, max_cells, max_positions)) * kPagePositions;
   }
   // Heap bytes of a table of these sizes with every entry listed as changed (the most it holds):
   // flat int32 + changed flag byte + changed index int32 per entry, lengths, page counts, free list.
   static constexpr std::int64_t host_bytes(std::int32_t max_seqs, std::int32_t max_cells) noexcept {
-    const std::int64_t pages = static_cast<std::int64_t>(pages_for(max_cells)) + 2 * static_cast<std::int64_t>(max_seqs);
-    return 9 * flat_size(max_seqs, max_cells) + 4 * static_cast<std::int64_t>(max_seqs) + 8 * pages;
+    return host_bytes(max_seqs, max_cells, max_cells);
+  }
+  static constexpr std::int64_t host_bytes(std::int32_t max_seqs, std::int32_t max_cells, std::int32_t max_positions) noexcept {
+    const std::int64_t pages = page_capacity_for(max_seqs, max_cells, max_positions);
+    return 9 * flat_size(max_seqs, max_cells, max_positions) + 4 * static_cast<std::int64_t>(max_seqs) + 8 * pages;
   }
   [[nodiscard]] std::int32_t dir_stride() const noexcept { return dir_stride_; }
   [[nodiscard]] std::int32_t page_capacity() const noexcept { return page_capacity_; }
@@ -235,6 +252,22 @@ class PositionTable {
     }
     truncate(seq, new_len);
     for (const std::int32_t k : touched) release_if_empty(seq, k);
+  }
+
+  // Drops pages [k_begin, k_end) of seq (their positions become holes, the length stays), calling
+  // f(cell) for each position they held; a shared page loses this holder only, so nothing is
+  // allocated. Precondition: 64 k_end <= length(seq) - 1 (the last position stays held).
+  template <class F>
+  void drop_pages(std::int32_t seq, std::int32_t k_begin, std::int32_t k_end, F&& f) {
+    assert(k_end == 0 || static_cast<std::int64_t>(k_end) * kPagePositions <= length(seq) - 1);
+    for (std::int32_t k = k_begin; k < k_end; ++k) {
+      const std::int32_t page = dir(seq, k);
+      if (page < 0) continue;
+      for (std::int32_t i = 0; i < kPagePositions; ++i)
+        if (const std::int32_t c = flat_[page_entry(page, i)]; c >= 0) f(c);
+      release(page);
+      set_dir(seq, k, -1);
+    }
   }
 
   // Keeps positions [0, keep) of seq; releases the rest.

@@ -129,14 +129,16 @@ Status check_update(const Cache& cache, std::int32_t window, std::int64_t rows, 
   const auto T_tokens = static_cast<std::size_t>(plan.tokens);
   const auto q_elems = T_tokens * static_cast<std::size_t>(heads_q) * static_cast<std::size_t>(head_dim);
   const auto kv_elems = T_tokens * static_cast<std::size_t>(heads_kv) * static_cast<std::size_t>(head_dim);
-  if (q_size != q_elems || out_size != q_elems || k_size != kv_elems || v_size != kv_elems || plan.read_len > rows)
+  if (q_size != q_elems || out_size != q_elems || k_size != kv_elems || v_size != kv_elems ||
+      cache.read_len(window) > rows)
     return Errc::bad_shape;
   return {};
 }
 }  // namespace detail
 
-// Write then attend for a layer of window `window` of the cache's placed step (either layout).
-// Refuses, writing nothing: no step placed (no_step_declared); a negative window (bad_argument);
+// Write then attend for a layer of window `window` of the cache's placed step (either layout):
+// `pool` is the pool that window's layers use (with window storage, a window pool of
+// cache.pool_rows(window) rows; the step's rows there are cache.step_rows(window)). Refuses, writing nothing: no step placed (no_step_declared); a negative window (bad_argument);
 // H_q not a positive multiple of H_kv (bad_head_ratio); head_dim < 1, or shapes
 // that disagree with the step and pool (bad_shape).
 template <class Cache, class T>
@@ -147,10 +149,9 @@ Status update_and_attend(const Cache& cache, std::int32_t window, PoolView<T> po
                                             k.size(), v.size(), out.size());
       !s.ok())
     return s;
-  const auto plan = cache.step();
-  write(pool, k, v, plan.rows);
+  write(pool, k, v, cache.step_rows(window));
   const PoolView<const T> read{pool.k, pool.v, pool.rows, pool.heads_kv, pool.head_dim};
-  attend<T>(q, read, out, heads_q, plan.read_len, scale,
+  attend<T>(q, read, out, heads_q, cache.read_len(window), scale,
             [&](std::int32_t t, std::int64_t row) { return cache.visible(t, row, window).value_or(false); });
   return {};
 }
@@ -166,9 +167,8 @@ Status update_and_attend(const Cache& cache, std::int32_t window, Fp8PoolView<Fp
                                             k.size(), v.size(), out.size());
       !s.ok())
     return s;
-  const auto plan = cache.step();
-  if (const Status s = write(pool, k, v, plan.rows); !s.ok()) return s;
-  attend(q, pool.read_only(), out, heads_q, plan.read_len, scale,
+  if (const Status s = write(pool, k, v, cache.step_rows(window)); !s.ok()) return s;
+  attend(q, pool.read_only(), out, heads_q, cache.read_len(window), scale,
          [&](std::int32_t t, std::int64_t row) { return cache.visible(t, row, window).value_or(false); });
   return {};
 }

@@ -316,6 +316,8 @@ inline Result<std::vector<std::byte>> read_state_file(const std::string& path, s
 }
 
 // ---- a host cache and its host pool (host_pool.hpp) ----
+// A cache with window storage (CacheConfig::window_cells > 0) keeps its layers' rows in several
+// pools, which one HostPool does not describe: saving and restoring refuse it (bad_argument).
 
 // What a state of `Cache` with pools of `shape` (layers, H_kv, D) and elements (or codes) of
 // elem_bytes must match (the host pools' below; the device caches' in gpu/sequence_state.cuh).
@@ -351,6 +353,7 @@ namespace detail {
 template <class Cache, class WriteRow>
 Result<std::int32_t> restore_rows(Cache& cache, std::span<const std::byte> bytes, const StateShape& shape,
                                   WriteRow&& write_row) {
+  if (has_window_storage(cache)) return Errc::bad_argument;  // its layers' rows live in several pools
   const Result<SavedState> parsed = parse_state_for(cache, bytes, shape);
   if (!parsed.ok()) return parsed.status().code();
   const SavedState& s = parsed.value();
@@ -366,6 +369,7 @@ Result<std::int32_t> restore_rows(Cache& cache, std::span<const std::byte> bytes
 template <class Cache, class T>
 Result<std::vector<std::byte>> save_sequence(const Cache& cache, HostPool<T>& pool, std::int32_t id,
                                              std::uint32_t dtype) {
+  if (has_window_storage(cache)) return Errc::bad_argument;  // its layers' rows live in several pools
   const Result<std::vector<std::int32_t>> held = cache.held_positions(id);
   if (!held.ok()) return held.status().code();
   const std::vector<std::int32_t>& positions = held.value();
@@ -397,6 +401,7 @@ Result<std::int32_t> restore_sequence(Cache& cache, HostPool<T>& pool, std::span
 // rows' scales (fp8 storage). The dtype tag is the caller's, as for a HostPool.
 template <class Cache>
 Result<std::vector<std::byte>> save_sequence(const Cache& cache, HostFp8Pool& pool, std::int32_t id, std::uint32_t dtype) {
+  if (has_window_storage(cache)) return Errc::bad_argument;  // its layers' rows live in several pools
   const Result<std::vector<std::int32_t>> held = cache.held_positions(id);
   if (!held.ok()) return held.status().code();
   const std::vector<std::int32_t>& positions = held.value();

@@ -57,6 +57,9 @@ enum class Errc : std::uint8_t {
   upload_incomplete,   // a verb that could change the pending copies or re-rotations while a device
                        // applied part of them (a failed or partial upload)
   missing_step_kernels,  // a replayed graph lacks an attention kernel the step needs (gpu/graph_scope.hpp)
+  // window storage (CacheConfig::window_cells)
+  out_of_window_cells,  // a window pool has fewer free cells than the step or edit needs
+  window_evicted,       // the result would need positions a window pool has let go of (recompute them)
 };
 
 [[nodiscard]] constexpr std::string_view describe(Errc e) noexcept {
@@ -112,6 +115,12 @@ enum class Errc : std::uint8_t {
     case Errc::missing_step_kernels:
       return "missing step kernels: a replayed graph was captured (GraphScope::step_kinds) without an attention "
              "kernel this step needs, so its attention was not computed; replay the graph of the step's graph_key()";
+    case Errc::out_of_window_cells:
+      return "out of window cells: a window pool (CacheConfig::window_cells) has fewer free cells than the step or "
+             "edit needs";
+    case Errc::window_evicted:
+      return "window evicted: the result would need positions a window pool has let go of (they fell out of the "
+             "window); recompute them instead";
   }
   return "unknown status";
 }

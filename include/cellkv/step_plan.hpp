@@ -17,6 +17,11 @@ struct CacheConfig {
   std::int32_t max_cells = 0;  // cell layout: rows of every layer's pool
   std::int32_t max_seqs = 0;   // live sequences at once, <= MaxSeqs; 0 means MaxSeqs
   std::int32_t max_len = 0;    // sequence layout: rows per sequence slot (pool rows = max_seqs * max_len)
+  // Cell layout, window storage: cells of the pool of each distinct nonzero window of the set
+  // (its layers' K and V), which keeps only the positions its queries can still see; 0 = none
+  // (every layer stores every position in the main pool). Each live sequence needs about
+  // window + 64 + the tokens of its step cells there (docs/design.md section 2, "Window storage").
+  std::int32_t window_cells = 0;
   friend bool operator==(const CacheConfig&, const CacheConfig&) = default;
 };
 
@@ -71,6 +76,10 @@ struct StepPlan {
   std::span<const Segment> segments;        // the step's segments, in token order
   std::int64_t read_len = 0;                // 1 + highest occupied row after placement (0 if none)
   std::uint64_t serial = 0;                 // counts declared steps; a new placement gets a new serial
+  // Window storage only (empty without): token t's cell in window pool i is window_rows[i T + t],
+  // and window_read_len[i] is that pool's read_len. `rows` and `read_len` are the main pool's.
+  std::span<const std::int64_t> window_rows;      // [window pools][T]
+  std::span<const std::int64_t> window_read_len;  // [window pools]
 };
 
 // Splits the tokens of a step (seqs[t], positions[t]) into segments, in token order; returns how
@@ -101,5 +110,14 @@ struct PendingChanges {
   TableChanges table;               // cell layout: position-table entries to write
   std::span<const RowRotation> rotations;  // cell layout: K rows to re-rotate after the copies
 };
+
+// Whether `cache` (any KVCache) keeps its windowed layers in pools of their own
+// (CacheConfig::window_cells > 0): then one pool's consumer (a host pool, a device upload) must
+// take that pool's changes, not only pending_changes() (the main pool's).
+template <class Cache>
+[[nodiscard]] bool has_window_storage(const Cache& cache) noexcept {
+  if constexpr (requires { cache.window_storage(); }) return cache.window_storage();
+  else return false;
+}
 
 }  // namespace cellkv

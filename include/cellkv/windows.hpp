@@ -61,6 +61,31 @@ struct Windows {
     return -1;
   }
 
+  // The distinct nonzero windows in order of first appearance: with window storage
+  // (CacheConfig::window_cells) each has a pool of its own, pool i for kWindowed[i].
+  static constexpr std::int32_t kWindowedCount = [] {
+    std::int32_t n = 0;
+    for (const std::int32_t w : kDistinctWindows) n += w > 0 ? 1 : 0;
+    return n;
+  }();
+  static constexpr std::array<std::int32_t, static_cast<std::size_t>(kWindowedCount)> kWindowed = [] {
+    std::array<std::int32_t, static_cast<std::size_t>(kWindowedCount)> out{};
+    std::size_t n = 0;
+    for (const std::int32_t w : kDistinctWindows)
+      if (w > 0) out[n++] = w;
+    return out;
+  }();
+  // Index of window `w` in kWindowed, or -1 for 0 and for a window no layer uses.
+  static constexpr std::int32_t windowed_index(std::int32_t w) {
+    if (w <= 0) return -1;
+    std::int32_t i = 0;
+    for (const std::int32_t d : kDistinctWindows) {  // (kWindowed may be empty)
+      if (d == w) return i;
+      i += d > 0 ? 1 : 0;
+    }
+    return -1;
+  }
+
   // Window of layer `l`, for 0 <= l < kLayers.
   static constexpr std::int32_t window_of_layer(std::int32_t l) { return kPerLayer[static_cast<std::size_t>(l)]; }
 

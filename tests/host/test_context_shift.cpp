@@ -408,3 +408,52 @@ TEST_CASE("context shift: samples waiting for a leader that shifted share only i
     check_session(exec, cache, ids[i]);
   }
 }
+
+TEST_CASE("context shift with window storage: batched sessions and forks equal their solo runs with full storage") {
+  CacheConfig config = kCacheConfig;
+  config.max_cells = 800;
+  config.window_cells = 8 * (6 + 64 + 24);
+  Cells cache(config);
+  llama::HostLlama<Cells> model(kConfig, weights(), cache);
+  Exec exec(model, cache, kShift);  // overlap on
+  const std::int32_t lengths[] = {3, 11, 17};
+  const std::int32_t max_new[] = {90, 70, 60};
+  std::vector<SessionId> ids;
+  for (std::int32_t i = 0; i < 3; ++i)
+    ids.push_back(exec.sessions().add(prompt_of(lengths[i], i), max_new[i], test::kSessionSampling[i]).value());
+  for (int s = 0; s < 3; ++s) REQUIRE(exec.step().ok());
+  const SessionId fork = exec.sessions().clone(ids[2], 80, test::kSessionSampling[4]).value();
+  REQUIRE(exec.run_until_idle().ok());
+  for (std::int32_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    const auto out = exec.sessions().output(ids[static_cast<std::size_t>(i)]).value();
+    CHECK(std::vector<std::int32_t>(out.begin(), out.end()) ==
+          solo(prompt_of(lengths[i], i), max_new[i], test::kSessionSampling[i]));
+    CHECK(exec.sessions().context_shifts(ids[static_cast<std::size_t>(i)]).value() >= 2);
+  }
+  const auto f = exec.sessions().output(fork).value();
+  CHECK(std::vector<std::int32_t>(f.begin(), f.end()) == solo(prompt_of(17, 2), 80, test::kSessionSampling[4]));
+}
+
+TEST_CASE("context shift with window storage: a shift that would need positions a window pool let go of is refused") {
+  // Window 50, budget 120, keep 30: at 120 positions the window pool has let go of page 0
+  // (positions 0..63); the shift keeps [0, 30) and slides [75, 120) down to [30, 75), so the next
+  // token (at 75) would see 26..29 of the kept part through the window: refused, nothing changed.
+  using Wide = CellCache<Windows<0, 50>, placement::lowest_free, 16>;
+  SessionLimits limits = kShift;
+  limits.max_tokens_per_session = 120;
+  limits.context_shift.keep = 30;
+  Wide cache({.max_write = 24, .max_cells = 600, .max_seqs = 4, .window_cells = 4 * (50 + 64 + 24)});
+  llama::HostLlama<Wide> model(kConfig, weights(), cache);
+  Executor<llama::HostLlama<Wide>, Wide> exec(model, cache, limits, {.overlap = false});
+  const SessionId a = exec.sessions().add(prompt_of(20, 5), 150).value();
+  while (exec.sessions().cached_tokens(a).value() < 120) REQUIRE(exec.step().ok());
+  const std::int32_t seq = exec.sessions().sequence_of(a).value();
+  REQUIRE(cache.pool(50).cell_of(seq, 29) < 0);
+  const Wide before = cache;
+  const auto table_before = exec.sessions();
+  CHECK(exec.step().status() == Errc::window_evicted);
+  CHECK(cache == before);
+  CHECK(exec.sessions() == table_before);
+  CHECK(exec.stats().context_shifts == 0);
+}

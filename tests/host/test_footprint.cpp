@@ -235,3 +235,40 @@ TEST_CASE("footprint: pool bytes per cell refuses a non-positive shape and sizes
                                    {.element_bytes = 1, .scale_bytes = std::numeric_limits<std::size_t>::max() - 10})
             .status() == Errc::size_overflow);
 }
+
+TEST_CASE("footprint: window storage keeps window_cells rows for windowed layers, and their tables") {
+  // CellHost's layers have windows {0, 4, 0}: two layers of 101 rows (100 + scratch), one of 21
+  // (window_cells 20 + scratch), 2 heads x 64 x 2 bytes x K and V = 512 bytes a row:
+  // (2 x 101 + 21) x 512 = 114176. Tables: the main one (4672 bytes, above) and the window pool's:
+  // 8 sequences x 2 directory entries (positions reach the main pool's 128) + (2 + 3 x 8) pages
+  // (the main table's 2 + 2 x 8, and one more a sequence) x 64 = 1680 ints = 6720 bytes.
+  const CacheConfig c{.max_write = 7, .max_cells = 100, .window_cells = 20};
+  const Result<Footprint> f = device_footprint<CellHost>(c, kShape, {.element_bytes = 2});
+  REQUIRE(f.ok());
+  CHECK(f.value().kv_pools == 114176);
+  CHECK(f.value().position_table == 4672 + 6720);
+  CHECK(f.value().total == f.value().kv_pools + f.value().step_block + f.value().position_table);
+  // A shard of another layer count cannot be split by window.
+  CHECK(device_footprint<CellHost>(c, {.layers = 2, .heads_kv = 2, .head_dim = 64, .heads_q = 8}, {.element_bytes = 2})
+            .status() == Errc::bad_shape);
+  CHECK(device_footprint<CellHost>({.max_write = 7, .max_cells = 100, .window_cells = 6}, kShape, {.element_bytes = 2})
+            .status() == Errc::bad_argument);  // fewer cells than max_write
+}
+
+TEST_CASE("footprint: a 5:1 model of window 1024 at 32k context keeps about a fifth of full storage") {
+  // Gemma-style: five layers of window 1024 to one global layer; 8 sequences of 32768 positions,
+  // steps of up to 256 tokens; a window pool of 8 x (1024 + 64 + 256) cells.
+  using Gemma = CellCache<Windows<1024, 1024, 1024, 1024, 1024, 0>, placement::lowest_free, 8>;
+  const PoolShape shape{.layers = 6, .heads_kv = 8, .head_dim = 128, .heads_q = 32};
+  const CacheConfig full{.max_write = 256, .max_cells = 8 * 32768, .max_seqs = 8};
+  CacheConfig windowed = full;
+  windowed.window_cells = 8 * (1024 + 64 + 256);
+  const std::uint64_t row = 2ULL * 8 * 128 * 2;  // K and V, 8 heads of 128 bf16
+  const std::uint64_t want_full = 6ULL * (8 * 32768 + 1) * row;
+  const std::uint64_t want_windowed = (1ULL * (8 * 32768 + 1) + 5ULL * (8 * (1024 + 64 + 256) + 1)) * row;
+  const std::size_t got_full = device_footprint<Gemma>(full, shape, {.element_bytes = 2}).value().kv_pools;
+  const std::size_t got_windowed = device_footprint<Gemma>(windowed, shape, {.element_bytes = 2}).value().kv_pools;
+  CHECK(got_full == want_full);
+  CHECK(got_windowed == want_windowed);
+  MESSAGE("KV bytes with window storage / full storage: " << static_cast<double>(got_windowed) / static_cast<double>(got_full));
+}

@@ -866,22 +866,46 @@ class SessionTable {
   // have fit). A cache that does not report its cells is trusted.
   [[nodiscard]] Status room_for_shift(std::int32_t seq, std::int32_t keep, std::int32_t moved, std::int32_t pos) const {
     const auto& q = detail::queries_of(*cache_);
+    const std::int32_t pages = (pos - 1) / kPagePositions - keep / kPagePositions + 1 + 2;
     if constexpr (requires { q.table().free_pages(); }) {
-      const std::int32_t pages = (pos - 1) / kPagePositions - keep / kPagePositions + 1 + 2;
       if (pages > q.table().free_pages()) return Errc::out_of_pages;
     }
     if constexpr (requires { q.cell_of(seq, pos); q.cell_owners(seq).count(); q.free_cells(); }) {
-      std::int64_t available = q.free_cells(), fresh = 0;
-      for (std::int32_t p = keep; p < pos; ++p) {
-        const std::int32_t c = q.cell_of(seq, p);
-        if (c < 0) continue;
-        const bool shared = q.cell_owners(c).count() > 1;
-        if (p < moved && !shared) ++available;
-        if (p >= moved && shared) ++fresh;
+      if (!room_for_copies(q, seq, keep, moved, pos)) return Errc::out_of_cells;
+    }
+    if constexpr (requires { q.pool(0); }) {
+      // Window storage: each window pool must hold what the shifted sequence's next token sees (the
+      // kept positions below `keep` it sees are not moved) and have the pages and the copies' cells.
+      using Windows = typename std::remove_cvref_t<decltype(q)>::Windows;
+      const std::int32_t len = pos - (moved - keep);
+      for (const std::int32_t w : Windows::kWindowed) {
+        if (!has_window_storage(q)) break;
+        const auto& pool = q.pool(w);
+        for (std::int32_t p = std::max(0, std::min(len - w + 1, len - 1)); p < len; ++p) {
+          const std::int32_t from = p < keep ? p : p + (moved - keep);
+          if (q.cell_of(seq, from) >= 0 && pool.cell_of(seq, from) < 0) return Errc::window_evicted;
+        }
+        if (pages > pool.table().free_pages()) return Errc::out_of_pages;
+        if (!room_for_copies(pool, seq, keep, moved, pos)) return Errc::out_of_window_cells;
       }
-      if (fresh > available) return Errc::out_of_cells;
     }
     return {};
+  }
+  // Whether `pool` (a cache's, or one of its window pools) has a cell for every cell of seq in
+  // [moved, pos) that seq shares (copied on write by the shift's seq_add), counting the cells of
+  // [keep, moved) only seq holds (freed by its seq_rm first).
+  template <class Pool>
+  [[nodiscard]] static bool room_for_copies(const Pool& pool, std::int32_t seq, std::int32_t keep, std::int32_t moved,
+                                            std::int32_t pos) {
+    std::int64_t available = pool.free_cells(), fresh = 0;
+    for (std::int32_t p = keep; p < pos; ++p) {
+      const std::int32_t c = pool.cell_of(seq, p);
+      if (c < 0) continue;
+      const bool shared = pool.cell_owners(c).count() > 1;
+      if (p < moved && !shared) ++available;
+      if (p >= moved && shared) ++fresh;
+    }
+    return fresh <= available;
   }
 
   // A session without id or sequence yet, feeding the prompt after the shared prefix.

@@ -4,7 +4,10 @@
 // i.e. pos(s)) and the placed step; the layout (Derived) decides where rows live through these hooks:
 //
 //   Status  room_for_step(span<const int32_t> seqs, span<const int32_t> count_per_seq)
-//   int64_t claim_row(int32_t seq, int32_t pos)            // a fresh row for (seq, pos)
+//   void    before_placement(span<const int32_t> seqs)     // admission passed, nothing placed yet
+//   int64_t claim_row(int32_t t, int32_t seq, int32_t pos) // a fresh row for token t at (seq, pos)
+//   void    after_placement()                              // every token placed
+//   span<const int64_t> window_rows(int32_t T), window_read_lens()  // StepPlan's window parts
 //   void    truncate_rows(int32_t seq, int32_t keep)       // release positions >= keep of seq
 //   Status  room_for_clone(int32_t src, int32_t upto)      // resources a fork needs, else why not
 //   int32_t share_prefix(int32_t src, int32_t dst, int32_t upto)  // dst gets src's positions < upto;
@@ -12,8 +15,10 @@
 //   void    on_seq_created(int32_t seq)                    // a fresh id, before share_prefix
 //   int64_t occupied_end()                                 // 1 + highest occupied row, 0 if none
 //   void    clear_rows()                                   // release everything
-//   void    for_each_visible_row(int32_t seq, int32_t lo_pos, int32_t hi_pos, F f)
-//   int32_t row_pos(int64_t row), bool row_owned_by(int64_t row, int32_t seq)
+//   void    for_each_visible_row(int32_t window, int32_t seq, int32_t lo_pos, int32_t hi_pos, F f)
+//   int32_t row_pos(int32_t window, int64_t row), bool row_owned_by(int32_t window, int64_t row, int32_t seq)
+//   int64_t rows_of_window(int32_t window), read_len_of_window(int32_t window)  // the pool a
+//   span<const int64_t> step_rows_of_window(int32_t window)   // window's layers use, the step's rows there
 //   static Status validate_rows(const CacheConfig&)      // the layout's sizes (max_seqs filled in)
 //   static size_t layout_host_bytes(const CacheConfig&)  // the layout's host bytes, once valid
 //   int32_t first_position(int32_t seq)                    // lowest held position, -1 when none
@@ -69,13 +74,15 @@ class CacheCommon {
   Result<StepPlan> declare_step(std::span<const std::int32_t> seq_ids) {
     if (const Status s = admit(seq_ids); !s.ok()) return s.code();
     const auto T = static_cast<std::int32_t>(seq_ids.size());
+    self().before_placement(seq_ids);
     for (std::int32_t t = 0; t < T; ++t) {
       const std::int32_t s = seq_ids[t];
       const std::int32_t p = len_[s]++;
       step_seqs_[t] = s;
       step_pos_[t] = p;
-      step_rows_[t] = self().claim_row(s, p);
+      step_rows_[t] = self().claim_row(t, s, p);
     }
+    self().after_placement();
     step_tokens_ = T;
     step_segment_count_ = split_segments(std::span<const std::int32_t>(step_seqs_.data(), static_cast<std::size_t>(T)),
                                          std::span<const std::int32_t>(step_pos_.data(), static_cast<std::size_t>(T)),
@@ -89,7 +96,7 @@ class CacheCommon {
   // The placed step, or an empty one (tokens 0, no rows, read_len 0, the last serial) when no step
   // is placed or a verb ran since: a stale step is never handed out. require_step() tells which.
   [[nodiscard]] StepPlan step() const noexcept {
-    if (!placed_) return StepPlan{0, {}, {}, {}, {}, 0, serial_};
+    if (!placed_) return StepPlan{0, {}, {}, {}, {}, 0, serial_, {}, {}};
     const auto T = static_cast<std::size_t>(step_tokens_);
     return StepPlan{step_tokens_,
                     std::span<const std::int64_t>(step_rows_.data(), T),
@@ -97,7 +104,9 @@ class CacheCommon {
                     std::span<const std::int32_t>(step_pos_.data(), T),
                     std::span<const Segment>(step_segments_.data(), static_cast<std::size_t>(step_segment_count_)),
                     read_len_,
-                    serial_};
+                    serial_,
+                    self().window_rows(step_tokens_),
+                    self().window_read_lens()};
   }
   [[nodiscard]] bool step_placed() const noexcept { return placed_; }
   [[nodiscard]] std::uint64_t step_serial() const noexcept { return serial_; }
@@ -278,26 +287,39 @@ class CacheCommon {
   [[nodiscard]] std::int64_t used_end() const { return self().occupied_end(); }
 
   // Visibility of `row` to token t of the placed step through a layer of window `window`
-  // (docs/design.md section 3), computed from the row's metadata. Refuses no_step_declared when no
-  // step is placed (or a verb ran since), bad_argument for t outside [0, T), a row outside
-  // [0, capacity()) or a negative window.
+  // (docs/design.md section 3), computed from the row's metadata; `row` indexes the pool that
+  // window's layers use (pool_rows(window) rows: the cache's, or with window storage the window's
+  // own). Refuses no_step_declared when no step is placed (or a verb ran since), bad_argument for t
+  // outside [0, T), a row outside [0, pool_rows(window)) or a negative window.
   [[nodiscard]] Result<bool> visible(std::int32_t t, std::int64_t row, std::int32_t window) const {
     if (const Status s = check_query(t, window); !s.ok()) return s.code();
-    if (row < 0 || row >= self().capacity()) return Errc::bad_argument;
+    if (row < 0 || row >= self().rows_of_window(window)) return Errc::bad_argument;
     const std::int32_t s = step_seqs_[static_cast<std::size_t>(t)], p = step_pos_[static_cast<std::size_t>(t)];
-    const std::int32_t rp = self().row_pos(row);
-    return rp >= 0 && self().row_owned_by(row, s) && sees(window, p, rp);
+    const std::int32_t rp = self().row_pos(window, row);
+    return rp >= 0 && self().row_owned_by(window, row, s) && sees(window, p, rp);
   }
 
-  // Mask row of token t for window `window` over columns [0, out.size()); 1 = visible. Refuses,
-  // writing nothing, what visible() refuses and an `out` shorter than read_len (bad_shape).
+  // The placed step's rows in the pool that layers of window `window` use (StepPlan::rows, or
+  // with window storage a window pool's StepPlan::window_rows), and that pool's read_len and rows.
+  // Empty / 0 when no step is placed.
+  [[nodiscard]] std::span<const std::int64_t> step_rows(std::int32_t window) const noexcept {
+    return self().step_rows_of_window(window);
+  }
+  [[nodiscard]] std::int64_t read_len(std::int32_t window) const noexcept {
+    return placed_ ? self().read_len_of_window(window) : 0;
+  }
+  [[nodiscard]] std::int64_t pool_rows(std::int32_t window) const noexcept { return self().rows_of_window(window); }
+
+  // Mask row of token t for window `window` over columns [0, out.size()) (rows of that window's
+  // pool); 1 = visible. Refuses, writing nothing, what visible() refuses and an `out` shorter than
+  // read_len(window) (bad_shape).
   // Cost: O(out.size()) to clear plus O(visible rows).
   Status mask_row(std::int32_t window, std::int32_t t, std::span<std::uint8_t> out) const {
     if (const Status s = check_query(t, window); !s.ok()) return s;
-    if (static_cast<std::int64_t>(out.size()) < read_len_) return Errc::bad_shape;
+    if (static_cast<std::int64_t>(out.size()) < self().read_len_of_window(window)) return Errc::bad_shape;
     std::fill(out.begin(), out.end(), std::uint8_t{0});
     const PositionRange seen = visible_positions(window, step_pos_[static_cast<std::size_t>(t)]);
-    self().for_each_visible_row(step_seqs_[static_cast<std::size_t>(t)], seen.begin, seen.end,
+    self().for_each_visible_row(window, step_seqs_[static_cast<std::size_t>(t)], seen.begin, seen.end,
                                 [&](std::int64_t row) { out[static_cast<std::size_t>(row)] = 1; });
     return {};
   }

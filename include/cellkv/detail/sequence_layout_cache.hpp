@@ -74,6 +74,7 @@ class KVCache<layout::sequence, W, P, MaxSeqs>
   // `c` has max_seqs filled in.
   static Status validate_rows(const CacheConfig& c) {
     if (c.max_len < 1) return Errc::bad_argument;
+    if (c.window_cells != 0) return Errc::unsupported_by_layout;  // window storage is the cell layout's
     const std::int64_t rows = static_cast<std::int64_t>(c.max_seqs) * c.max_len;
     return rows + c.max_write <= detail::kInt32Max ? Status{} : Status{Errc::size_overflow};
   }
@@ -90,7 +91,12 @@ class KVCache<layout::sequence, W, P, MaxSeqs>
     return {};
   }
 
-  std::int64_t claim_row(std::int32_t seq, std::int32_t pos) {
+  void before_placement(std::span<const std::int32_t>) {}
+  void after_placement() {}
+  [[nodiscard]] std::span<const std::int64_t> window_rows(std::int32_t) const noexcept { return {}; }
+  [[nodiscard]] std::span<const std::int64_t> window_read_lens() const noexcept { return {}; }
+
+  std::int64_t claim_row(std::int32_t, std::int32_t seq, std::int32_t pos) {
     ++used_rows_;
     nonempty_.set(seq);
     return slot_begin(seq) + pos;
@@ -158,16 +164,20 @@ class KVCache<layout::sequence, W, P, MaxSeqs>
     return s < 0 ? 0 : slot_begin(s) + this->length(s);
   }
 
+  // Every layer reads the one pool (the window argument only names the layer's window).
   template <class F>
-  void for_each_visible_row(std::int32_t seq, std::int32_t lo, std::int32_t hi, F&& f) const {
+  void for_each_visible_row(std::int32_t, std::int32_t seq, std::int32_t lo, std::int32_t hi, F&& f) const {
     for (std::int32_t p = lo; p <= hi; ++p) f(slot_begin(seq) + p);
   }
-  [[nodiscard]] std::int32_t row_pos(std::int64_t row) const noexcept {
+  [[nodiscard]] std::int64_t rows_of_window(std::int32_t) const noexcept { return capacity(); }
+  [[nodiscard]] std::int64_t read_len_of_window(std::int32_t) const noexcept { return this->step().read_len; }
+  [[nodiscard]] std::span<const std::int64_t> step_rows_of_window(std::int32_t) const noexcept { return this->step().rows; }
+  [[nodiscard]] std::int32_t row_pos(std::int32_t, std::int64_t row) const noexcept {
     const auto s = static_cast<std::int32_t>(row / max_len());
     const auto p = static_cast<std::int32_t>(row % max_len());
     return this->is_live(s) && p < this->length(s) ? p : -1;
   }
-  [[nodiscard]] bool row_owned_by(std::int64_t row, std::int32_t seq) const noexcept {
+  [[nodiscard]] bool row_owned_by(std::int32_t, std::int64_t row, std::int32_t seq) const noexcept {
     return row / max_len() == seq;
   }
 

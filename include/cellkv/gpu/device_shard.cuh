@@ -148,7 +148,9 @@ class DeviceShard {
   // The device bytes a shard of `shape` allocates for `config` (footprint.hpp), the dense masks
   // counted when uploads build them: Masks::always, or if_needed on the reference kernel's path
   // (fp32 storage, shapes the table kernels do not serve; cell layout only).
+  // Window storage (CacheConfig::window_cells > 0) is host-only so far: refused (bad_argument).
   static Result<Footprint> footprint(const CacheConfig& config, const PoolShape& shape, Masks masks = Masks::if_needed) {
+    if (config.window_cells != 0) return Errc::bad_argument;
     const bool reference = !table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv);
     const bool built = masks == Masks::always || (masks == Masks::if_needed && reference);
     const StorageBytes bytes = storage_bytes(kv_storage_of<T>());
@@ -289,6 +291,9 @@ class DeviceShard {
  private:
   // `config`, once this shard's footprint is known to fit the current device's free memory.
   static const CacheConfig& config_that_fits(const CacheConfig& config, const PoolShape& shape) {
+    if (config.window_cells != 0)
+      throw std::invalid_argument("cellkv::gpu::DeviceShard: window storage (CacheConfig::window_cells) is served by the "
+                                  "host caches only so far");
     const Result<Footprint> f = footprint(config, shape);
     if (!f.ok())
       throw std::invalid_argument(std::string("cellkv::gpu::DeviceShard: ") + std::string(f.status().message()));
