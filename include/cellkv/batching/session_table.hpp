@@ -866,9 +866,8 @@ class SessionTable {
   // have fit). A cache that does not report its cells is trusted.
   [[nodiscard]] Status room_for_shift(std::int32_t seq, std::int32_t keep, std::int32_t moved, std::int32_t pos) const {
     const auto& q = detail::queries_of(*cache_);
-    const std::int32_t pages = (pos - 1) / kPagePositions - keep / kPagePositions + 1 + 2;
     if constexpr (requires { q.table().free_pages(); }) {
-      if (pages > q.table().free_pages()) return Errc::out_of_pages;
+      if (shift_pages(keep, pos) > q.table().free_pages()) return Errc::out_of_pages;
     }
     if constexpr (requires { q.cell_of(seq, pos); q.cell_owners(seq).count(); q.free_cells(); }) {
       if (!room_for_copies(q, seq, keep, moved, pos)) return Errc::out_of_cells;
@@ -885,11 +884,16 @@ class SessionTable {
           const std::int32_t from = p < keep ? p : p + (moved - keep);
           if (q.cell_of(seq, from) >= 0 && pool.cell_of(seq, from) < 0) return Errc::window_evicted;
         }
-        if (pages > pool.table().free_pages()) return Errc::out_of_pages;
+        if (shift_pages(keep, pos) > pool.table().free_pages()) return Errc::out_of_pages;
         if (!room_for_copies(pool, seq, keep, moved, pos)) return Errc::out_of_window_cells;
       }
     }
     return {};
+  }
+  // Pages a shift of [keep, pos) may need in a position table: a private copy of each page of the
+  // range and a split for each verb (an upper bound).
+  [[nodiscard]] static std::int32_t shift_pages(std::int32_t keep, std::int32_t pos) {
+    return (pos - 1) / kPagePositions - keep / kPagePositions + 1 + 2;
   }
   // Whether `pool` (a cache's, or one of its window pools) has a cell for every cell of seq in
   // [moved, pos) that seq shares (copied on write by the shift's seq_add), counting the cells of
