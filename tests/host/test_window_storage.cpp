@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cellkv/host_fp8_pool.hpp"
 #include "cellkv/host_pool.hpp"
 #include "cellkv/kv_cache.hpp"
 #include "cellkv/sequence_state.hpp"
@@ -235,6 +236,14 @@ TEST_CASE("window storage: a host pool syncs one pool only, and sequence state r
   const std::vector<std::byte> bytes = save_sequence(full, pool, f, 0).value();
   const Cache before = c;
   CHECK(restore_sequence(c, pool, bytes, 0).status() == Errc::bad_argument);
+  CHECK(c == before);
+  // The same for an fp8 host pool.
+  HostFp8Pool fp8(2, 64, 1, 8);
+  CHECK(fp8.sync(c) == Errc::bad_argument);
+  CHECK(c.changes_epoch() == epoch);
+  CHECK(save_sequence(c, fp8, s, 0).status() == Errc::bad_argument);
+  const std::vector<std::byte> fp8_bytes = save_sequence(full, fp8, f, 0).value();
+  CHECK(restore_sequence(c, fp8, fp8_bytes, 0).status() == Errc::bad_argument);
   CHECK(c == before);
 }
 
