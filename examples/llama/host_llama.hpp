@@ -142,7 +142,8 @@ class HostLlama {
     if constexpr (requires { cache_.pool(0); }) {
       pools_[0].apply(cache_.pending_changes(), rope_spec(c_));
       std::size_t i = 1;
-      for (const std::int32_t w : Windows::kWindowed) pools_[i++].apply(cache_.pool(w).pending_changes(), rope_spec(c_));
+      for (const std::int32_t w : Windows::kWindowed)
+        pools_[i++].apply(cache_.pool(w).pending_changes(), rope_spec(c_));
       cache_.acknowledge_changes();
     }
     return {};

@@ -150,7 +150,8 @@ Result<Footprint> device_footprint(const CacheConfig& config, const PoolShape& s
       row ? detail::size_product({size(shape.layers - windowed_layers), size(L::rows(normal)) + 1, *row}) : std::nullopt;
   const std::optional<std::size_t> window_rows =
       row ? detail::size_product({size(windowed_layers), size(config.window_cells) + 1, *row}) : std::nullopt;
-  const std::optional<std::size_t> kv = main_rows && window_rows ? detail::size_sum({*main_rows, *window_rows}) : std::nullopt;
+  const std::optional<std::size_t> kv =
+      main_rows && window_rows ? detail::size_sum({*main_rows, *window_rows}) : std::nullopt;
   const std::int64_t table_entries =
       PositionTable::flat_size(seqs, config.max_cells) +
       (windowed ? W::kWindowedCount * PositionTable::flat_size(seqs, config.window_cells, config.max_cells) : 0);

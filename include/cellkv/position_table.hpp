@@ -77,7 +77,8 @@ class PositionTable {
   static constexpr std::int64_t flat_size(std::int32_t max_seqs, std::int32_t max_cells) noexcept {
     return flat_size(max_seqs, max_cells, max_cells);
   }
-  static constexpr std::int64_t flat_size(std::int32_t max_seqs, std::int32_t max_cells, std::int32_t max_positions) noexcept {
+  static constexpr std::int64_t flat_size(std::int32_t max_seqs, std::int32_t max_cells,
+                                          std::int32_t max_positions) noexcept {
     const std::int64_t dir = static_cast<std::int64_t>(max_seqs) * pages_for(max_positions);
     return dir + static_cast<std::int64_t>(page_capacity_for(max_seqs, max_cells, max_positions)) * kPagePositions;
   }
@@ -86,7 +87,8 @@ class PositionTable {
   static constexpr std::int64_t host_bytes(std::int32_t max_seqs, std::int32_t max_cells) noexcept {
     return host_bytes(max_seqs, max_cells, max_cells);
   }
-  static constexpr std::int64_t host_bytes(std::int32_t max_seqs, std::int32_t max_cells, std::int32_t max_positions) noexcept {
+  static constexpr std::int64_t host_bytes(std::int32_t max_seqs, std::int32_t max_cells,
+                                           std::int32_t max_positions) noexcept {
     const std::int64_t pages = page_capacity_for(max_seqs, max_cells, max_positions);
     return 9 * flat_size(max_seqs, max_cells, max_positions) + 4 * static_cast<std::int64_t>(max_seqs) + 8 * pages;
   }

@@ -138,9 +138,10 @@ Status check_update(const Cache& cache, std::int32_t window, std::int64_t rows, 
 
 // Write then attend for a layer of window `window` of the cache's placed step (either layout):
 // `pool` is the pool that window's layers use (with window storage, a window pool of
-// cache.pool_rows(window) rows; the step's rows there are cache.step_rows(window)). Refuses, writing nothing: no step placed (no_step_declared); a negative window (bad_argument);
-// H_q not a positive multiple of H_kv (bad_head_ratio); head_dim < 1, or shapes
-// that disagree with the step and pool (bad_shape).
+// cache.pool_rows(window) rows; the step's rows there are cache.step_rows(window)). Refuses,
+// writing nothing: no step placed (no_step_declared); a negative window (bad_argument); H_q not a
+// positive multiple of H_kv (bad_head_ratio); head_dim < 1, or shapes that disagree with the step
+// and pool (bad_shape).
 template <class Cache, class T>
 Status update_and_attend(const Cache& cache, std::int32_t window, PoolView<T> pool, std::span<const T> q,
                          std::span<const T> k, std::span<const T> v, std::span<T> out, std::int32_t heads_q,

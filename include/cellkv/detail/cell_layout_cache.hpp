@@ -56,7 +56,8 @@ class KVCache<layout::cell, W, P, MaxSeqs>
       : Base(config), main_(this->config().max_cells, this->config().max_seqs, this->config().max_cells) {
     const CacheConfig& c = this->config();
     if (c.window_cells > 0)
-      for ([[maybe_unused]] const std::int32_t w : W::kWindowed) windows_.emplace_back(c.window_cells, c.max_seqs, c.max_cells);
+      for ([[maybe_unused]] const std::int32_t w : W::kWindowed)
+        windows_.emplace_back(c.window_cells, c.max_seqs, c.max_cells);
     step_window_rows_.assign(windows_.size() * static_cast<std::size_t>(c.max_write), 0);
     window_read_len_.assign(windows_.size(), 0);
   }
@@ -120,7 +121,8 @@ class KVCache<layout::cell, W, P, MaxSeqs>
     if (c.window_cells > 0 && (W::kWindowedCount == 0 || c.window_cells < c.max_write || c.window_cells > c.max_cells))
       return Errc::bad_argument;
     if (PositionTable::flat_size(c.max_seqs, c.max_cells) > detail::kInt32Max) return Errc::size_overflow;
-    const bool windows_fit = c.window_cells == 0 || PositionTable::flat_size(c.max_seqs, c.window_cells, c.max_cells) <= detail::kInt32Max;
+    const bool windows_fit =
+        c.window_cells == 0 || PositionTable::flat_size(c.max_seqs, c.window_cells, c.max_cells) <= detail::kInt32Max;
     return windows_fit ? Status{} : Status{Errc::size_overflow};
   }
   // The main pool and each window pool (CellPool::host_bytes), and the window pools' step rows.
@@ -178,7 +180,8 @@ class KVCache<layout::cell, W, P, MaxSeqs>
   // Token t of the step: a cell in every pool (window pool i's goes to window_rows[i T + t]).
   std::int64_t claim_row(std::int32_t t, std::int32_t seq, std::int32_t pos) {
     const auto T = static_cast<std::size_t>(placing_tokens_);
-    for (std::size_t i = 0; i < windows_.size(); ++i) step_window_rows_[i * T + static_cast<std::size_t>(t)] = windows_[i].append(seq, pos);
+    for (std::size_t i = 0; i < windows_.size(); ++i)
+      step_window_rows_[i * T + static_cast<std::size_t>(t)] = windows_[i].append(seq, pos);
     return main_.append(seq, pos);
   }
 
@@ -218,7 +221,8 @@ class KVCache<layout::cell, W, P, MaxSeqs>
   // After a fork or an edit, seq (now of length len) lets go of the window-pool pages its next token
   // cannot see, as a step would: a sequence never holds a page wholly below keep_from.
   void drop_unseen(std::int32_t seq, std::int32_t len) {
-    for (std::size_t i = 0; i < windows_.size(); ++i) windows_[i].drop_below(seq, keep_from(window_of(i), len) / kPagePositions);
+    for (std::size_t i = 0; i < windows_.size(); ++i)
+      windows_[i].drop_below(seq, keep_from(window_of(i), len) / kPagePositions);
   }
 
   // ---- sequence edits ----
@@ -248,7 +252,8 @@ class KVCache<layout::cell, W, P, MaxSeqs>
   [[nodiscard]] std::int64_t row_at(std::int32_t seq, std::int32_t pos) const { return main_.cell_of(seq, pos); }
   template <class F>
   void for_each_held(std::int32_t seq, F&& f) const {
-    main_.table().for_each_position(seq, 0, main_.table().length(seq), [&](std::int32_t p, std::int32_t c) { f(p, std::int64_t{c}); });
+    main_.table().for_each_position(seq, 0, main_.table().length(seq),
+                                    [&](std::int32_t p, std::int32_t c) { f(p, std::int64_t{c}); });
   }
   [[nodiscard]] std::int32_t first_position(std::int32_t seq) const { return main_.table().first_held(seq); }
 
@@ -310,7 +315,9 @@ class KVCache<layout::cell, W, P, MaxSeqs>
   void for_each_visible_row(std::int32_t window, std::int32_t seq, std::int32_t lo, std::int32_t hi, F&& f) const {
     pool(window).for_each_visible_row(seq, lo, hi, f);
   }
-  [[nodiscard]] std::int32_t row_pos(std::int32_t window, std::int64_t row) const noexcept { return pool(window).row_pos(row); }
+  [[nodiscard]] std::int32_t row_pos(std::int32_t window, std::int64_t row) const noexcept {
+    return pool(window).row_pos(row);
+  }
   [[nodiscard]] bool row_owned_by(std::int32_t window, std::int64_t row, std::int32_t seq) const noexcept {
     return pool(window).row_owned_by(row, seq);
   }

@@ -194,7 +194,9 @@ class CellPool {
 
   // A fork of src over positions < upto: its length is one past src's highest held position below
   // upto; its partial last page is a copy, so it needs a free page.
-  [[nodiscard]] std::int32_t fork_length(std::int32_t src, std::int32_t upto) const { return table_.last_below(src, upto) + 1; }
+  [[nodiscard]] std::int32_t fork_length(std::int32_t src, std::int32_t upto) const {
+    return table_.last_below(src, upto) + 1;
+  }
   [[nodiscard]] Status room_for_clone(std::int32_t src, std::int32_t upto) const {
     const bool copies_page = fork_length(src, upto) % kPagePositions != 0;
     return copies_page && table_.free_pages() == 0 ? Status{Errc::out_of_pages} : Status{};
@@ -301,7 +303,8 @@ class CellPool {
   // Cells of positions [from, e.new_len) of e.seq once e is committed (-1: none); from >= 0.
   [[nodiscard]] std::vector<std::int32_t> cells_after(const Edit& e, std::int32_t from) const {
     std::vector<std::int32_t> out(static_cast<std::size_t>(std::max(e.new_len - from, 0)), -1);
-    for (std::int32_t p = from; p < std::min(e.new_len, e.old_len); ++p) out[static_cast<std::size_t>(p - from)] = held_cell(e.seq, p);
+    for (std::int32_t p = from; p < std::min(e.new_len, e.old_len); ++p)
+      out[static_cast<std::size_t>(p - from)] = held_cell(e.seq, p);
     for (const Write& w : e.writes)
       if (w.pos >= from && w.pos < e.new_len) out[static_cast<std::size_t>(w.pos - from)] = w.cell;
     return out;
