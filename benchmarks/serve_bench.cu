@@ -17,6 +17,16 @@
 // DeviceCache<cell, gpu::Fp8<bf16>, ...> (bf16 arithmetic, K/V stored as codes with an fp32 scale
 // per row-head), impl cellkv_cell_fp8; its floor counts the fp8 bytes of K/V (scales included).
 //
+// --window-storage runs the Gemma-style model instead (serve_model.hpp: 5 layers of window 1,024 to
+// 1 full-attention layer, the serve model's other dims) with prompts of 4,096 tokens, so every
+// windowed layer's window is full: decode throughput with every layer storing every position
+// (impl cellkv_full_storage) and with the windowed layers in window pools of N x (1,024 + 64) +
+// max_write cells (CacheConfig::window_cells; impl cellkv_window_storage), cell layout,
+// clustered<64>; then one row work "kv_memory", shape "5:1 W=1024, 32k context, 8 sessions",
+// impl cellkv_window_storage, metric = the K/V pool bytes of window storage / full storage, unit
+// "ratio" (DeviceShard::footprint of both configs, cross-checked against the pools a cache of
+// the window config allocates).
+//
 // Output: JSON lines on stdout or --out FILE, and a table on stderr. Sessions mode: work "serve",
 // shape "N sessions", impl cellkv_cell_clustered or cellkv_sequence (cellkv_cell_fp8 with --kv
 // fp8), metric tokens/s, plus the breakdown fields, "kv" (bf16 or fp8), "kv_bytes_per_cell" (K and
@@ -32,6 +42,7 @@
 //                                       [--max-gemv-width N]   (default 16; 0: cuBLAS at every width)
 //   build/benchmarks/cellkv-bench-serve --kv fp8 [--quick] [--out FILE] [--sessions 1,16,...]
 //   build/benchmarks/cellkv-bench-serve --parallel-sampling [--quick] [--out FILE] [--sampling-shape 16,2048,8,256]
+//   build/benchmarks/cellkv-bench-serve --window-storage [--quick] [--out FILE] [--sessions 16,64]
 #include <cellkv/batching/executor.hpp>
 #include <cellkv/gpu/device_cache.cuh>
 #include <cellkv/gpu/stream.hpp>
@@ -62,6 +73,22 @@ const llama::Config& kConfig = bench::kServeConfig;
 const cellkv::gpu::PoolShape kShape{.layers = kConfig.layers, .heads_kv = kConfig.heads_kv,
                                     .head_dim = kConfig.head_dim, .heads_q = kConfig.heads_q};
 
+// What a sessions run serves: the model, the prompts, and how the cache stores the windowed
+// layers (window_cells: 0 for every position in the main pool).
+struct RunSpec {
+  const llama::Config* model = &kConfig;
+  std::int32_t prompt = kPrompt, max_len = kMaxLen, max_write = 0;  // max_write 0: max(256, 2 N)
+  std::int32_t window_cells = 0;
+  [[nodiscard]] cellkv::gpu::PoolShape shape() const {
+    return {.layers = model->layers, .heads_kv = model->heads_kv, .head_dim = model->head_dim, .heads_q = model->heads_q};
+  }
+  [[nodiscard]] cellkv::CacheConfig cache_config(std::int32_t sessions) const {
+    const std::int32_t width = max_write > 0 ? max_write : std::max(256, 2 * sessions);
+    return {.max_write = width, .max_cells = sessions * max_len + width, .max_seqs = sessions, .max_len = max_len,
+            .window_cells = window_cells};
+  }
+};
+
 struct Row {
   bench::DecodeRun run;
   llama::PhaseTimes phases;  // of the profiled pass
@@ -69,30 +96,32 @@ struct Row {
   const char* kv = "bf16";             // the K/V storage
   std::size_t kv_bytes_per_cell = 0;   // K and V of every layer, scales included
   std::size_t kv_pool_bytes = 0;       // the cache's K/V pools
+  const llama::Config* model = &kConfig;
+  std::int32_t windowed_layers = 0, window = 0;  // layers that attend through `window` positions at most
 };
 
 // The K/V bytes one cell takes in a cache of type Cache (every layer, K and V, scales included).
 template <class Cache>
-std::size_t bytes_per_cell() {
-  return cellkv::pool_bytes_per_cell(kShape, cellkv::gpu::kv_storage_of<typename Cache::Storage>()).value();
+std::size_t bytes_per_cell(const cellkv::gpu::PoolShape& shape = kShape) {
+  return cellkv::pool_bytes_per_cell(shape, cellkv::gpu::kv_storage_of<typename Cache::Storage>()).value();
 }
 
 template <class Cache>
-Row measure(const llama::Weights& weights, std::int32_t sessions) {
-  const std::int32_t max_write = std::max(256, 2 * sessions);
-  const cellkv::CacheConfig config{.max_write = max_write, .max_cells = sessions * kMaxLen + max_write,
-                                   .max_seqs = sessions, .max_len = kMaxLen};
+Row measure(const llama::Weights& weights, std::int32_t sessions, const RunSpec& spec = {}) {
+  const cellkv::CacheConfig config = spec.cache_config(sessions);
+  const cellkv::gpu::PoolShape shape = spec.shape();
   cellkv::gpu::Stream stream;
-  Cache cache(config, kShape);
-  llama::GpuLlama<Cache> model(kConfig, weights, cache, stream.get(),
+  Cache cache(config, shape);
+  llama::GpuLlama<Cache> model(*spec.model, weights, cache, stream.get(),
                                 {.max_graph_width = 256, .max_gemv_width = g_max_gemv_width});
-  cellkv::batching::Executor exec(model, cache,
-                                  {.max_write = max_write, .min_prefill_tokens = 2, .max_tokens_per_session = kMaxLen});
-  bench::start_sessions(exec, sessions, kPrompt, kConfig.vocab);
+  cellkv::batching::Executor exec(
+      model, cache, {.max_write = config.max_write, .min_prefill_tokens = 2, .max_tokens_per_session = spec.max_len});
+  bench::start_sessions(exec, sessions, spec.prompt, spec.model->vocab);
   Row row;
   row.kv = cellkv::gpu::kFp8Kv<typename Cache::Storage> ? "fp8" : "bf16";
-  row.kv_bytes_per_cell = bytes_per_cell<Cache>();
-  row.kv_pool_bytes = Cache::Shard::footprint(config, kShape).value().kv_pools;
+  row.kv_bytes_per_cell = bytes_per_cell<Cache>(shape);
+  row.kv_pool_bytes = Cache::Shard::footprint(config, shape).value().kv_pools;
+  row.model = spec.model;
   row.run = bench::time_decode(exec, kWarmup, kTimed);
   model.set_profile(true);
   (void)bench::time_decode(exec, 2, 2);  // captures the profiled graph
@@ -104,24 +133,27 @@ Row measure(const llama::Weights& weights, std::int32_t sessions) {
 }
 
 // The physical floor of one decode step of n sessions holding `context` tokens each: the bytes
-// that must move (bf16 weights read once, every live K/V row read once: `kv_bytes_per_cell` bytes
-// each, bf16 or fp8 with its scales) at the copy rate, plus the
-// FLOPs (2 x parameters per token, attention) at the GEMM rate. The roofline (the larger of the
-// two, as if both overlapped perfectly) is reported beside it.
+// that must move (bf16 weights read once, every K/V row a query sees read once: `kv_bytes_per_cell`
+// bytes each over every layer, bf16 or fp8 with its scales; windowed layers see at most their
+// window) at the copy rate, plus the FLOPs (2 x parameters per token, attention) at the GEMM rate.
+// The roofline (the larger of the two, as if both overlapped perfectly) is reported beside it.
 struct Floor {
   double bytes = 0, flops = 0, memory_ms = 0, compute_ms = 0;
   [[nodiscard]] double ms() const { return memory_ms + compute_ms; }
   [[nodiscard]] double roofline_ms() const { return std::max(memory_ms, compute_ms); }
 };
-Floor floor_of(std::int32_t n, double context, std::size_t kv_bytes_per_cell) {
-  const llama::Config& c = kConfig;
+Floor floor_of(std::int32_t n, double context, const Row& r) {
+  const llama::Config& c = *r.model;
+  // Positions every layer's attention reads per token, summed over the layers.
+  const double seen = (c.layers - r.windowed_layers) * context +
+                      r.windowed_layers * (r.window > 0 ? std::min<double>(context, r.window) : context);
   const double per_layer = static_cast<double>(c.dim) * (c.q_width() + 2 * c.kv_width()) +
                            static_cast<double>(c.q_width()) * c.dim + 3.0 * c.dim * c.ffn;
   const double params = c.layers * per_layer + static_cast<double>(c.dim) * c.vocab;
-  const double kv_bytes = n * context * static_cast<double>(kv_bytes_per_cell);  // K and V, every layer
+  const double kv_bytes = n * seen / c.layers * static_cast<double>(r.kv_bytes_per_cell);  // K and V
   Floor f;
   f.bytes = 2.0 * params + kv_bytes + n * 2.0 * c.dim;                          // + the embedding rows
-  f.flops = n * (2.0 * params + c.layers * 4.0 * context * c.q_width());       // GEMMs + attention
+  f.flops = n * (2.0 * params + 4.0 * seen * c.q_width());                       // GEMMs + attention
   f.memory_ms = f.bytes / (kCopyTBs * 1e12) * 1e3;
   f.compute_ms = f.flops / (kGemmTFLOPs * 1e12) * 1e3;
   return f;
@@ -131,7 +163,7 @@ void report(std::FILE* out, std::int32_t n, const char* impl, const Row& r) {
   const bench::DecodeRun& d = r.run;
   const llama::PhaseTimes& p = r.phases;
   const double steps = static_cast<double>(std::max<std::int64_t>(p.steps, 1));
-  const Floor f = floor_of(n, d.mean_context, r.kv_bytes_per_cell);
+  const Floor f = floor_of(n, d.mean_context, r);
   std::fprintf(out,
                "{\"work\": \"serve\", \"shape\": \"%d sessions\", \"impl\": \"%s\", \"metric\": %.1f, \"unit\": \"tokens/s\", "
                "\"tokens_per_step\": %.2f, \"ms_per_step\": %.4f, \"mean_context\": %.1f, "
@@ -152,6 +184,59 @@ void report(std::FILE* out, std::int32_t n, const char* impl, const Row& r) {
                n, impl, d.tokens_per_second, d.tokens_per_step, d.ms_per_step, d.plan_ms, d.enqueue_ms, d.wait_ms,
                d.resolve_ms, p.upload_ms / steps, p.forward_ms / steps, p.sampling_ms / steps, p.copy_ms / steps,
                p.idle_ms / steps, f.ms(), 100.0 * f.ms() / d.ms_per_step);
+}
+
+// ---- window storage ----
+
+using Gemma = cellkv::gpu::DeviceCache<cellkv::layout::cell, __nv_bfloat16, bench::GemmaWindows,
+                                       cellkv::placement::clustered<64>>;
+
+// The Gemma-style model at N sessions of 4,096-token prompts, full storage then window storage.
+void run_window_storage(std::FILE* out, const llama::Weights& weights, std::int32_t sessions) {
+  constexpr std::int32_t kLongPrompt = 4096;
+  const RunSpec full{.model = &bench::kGemmaConfig, .prompt = kLongPrompt, .max_len = kLongPrompt + 512, .max_write = 1024};
+  const RunSpec windowed = [&] {
+    RunSpec w = full;
+    w.window_cells = sessions * (bench::kGemmaWindow + 64) + full.max_write;
+    return w;
+  }();
+  for (const auto& [spec, impl] : {std::pair{&full, "cellkv_full_storage"}, std::pair{&windowed, "cellkv_window_storage"}}) {
+    Row row = measure<Gemma>(weights, sessions, *spec);
+    row.windowed_layers = bench::GemmaWindows::kLayers - 1;
+    row.window = bench::kGemmaWindow;
+    report(out, sessions, impl, row);
+    std::fprintf(stderr, "       %s: K/V pools %.1f MiB\n", impl, static_cast<double>(row.kv_pool_bytes) / (1 << 20));
+  }
+}
+
+// The kv_memory row: K/V pool bytes of window storage over full storage for the Gemma-style model
+// at 32k context, 8 sessions (footprints), checked against what a cache of the window config
+// allocates. False when the two disagree.
+bool report_kv_memory(std::FILE* out) {
+  constexpr std::int32_t kSessions = 8, kContext = 32768, kWidth = 256;
+  const cellkv::gpu::PoolShape shape = RunSpec{.model = &bench::kGemmaConfig}.shape();
+  const cellkv::CacheConfig full{.max_write = kWidth, .max_cells = kSessions * kContext + kWidth, .max_seqs = kSessions};
+  cellkv::CacheConfig windowed = full;
+  windowed.window_cells = kSessions * (bench::kGemmaWindow + 64) + kWidth;
+  const std::size_t full_bytes = Gemma::Shard::footprint(full, shape).value().kv_pools;
+  const std::size_t window_bytes = Gemma::Shard::footprint(windowed, shape).value().kv_pools;
+  std::size_t allocated = 0;
+  {
+    const Gemma cache(windowed, shape);
+    for (std::int32_t p = 0; p < cache.pools().count(); ++p) allocated += cache.pools().pool(p)->storage().size_bytes();
+  }
+  const double ratio = static_cast<double>(window_bytes) / static_cast<double>(full_bytes);
+  std::fprintf(out,
+               "{\"work\": \"kv_memory\", \"shape\": \"5:1 W=1024, 32k context, 8 sessions\", \"impl\": "
+               "\"cellkv_window_storage\", \"metric\": %.4f, \"unit\": \"ratio\", \"window_kv_pool_bytes\": %zu, "
+               "\"full_kv_pool_bytes\": %zu, \"allocated_kv_pool_bytes\": %zu, \"window_cells\": %d, \"max_cells\": %d}\n",
+               ratio, window_bytes, full_bytes, allocated, windowed.window_cells, full.max_cells);
+  std::fflush(out);
+  std::fprintf(stderr, "  kv_memory at 32k context, 8 sessions: window storage %.1f MiB / full storage %.1f MiB = %.4f "
+                       "(allocated %.1f MiB)\n",
+               static_cast<double>(window_bytes) / (1 << 20), static_cast<double>(full_bytes) / (1 << 20), ratio,
+               static_cast<double>(allocated) / (1 << 20));
+  return allocated == window_bytes;
 }
 
 // ---- parallel sampling ----
@@ -260,7 +345,7 @@ bool write_weights(const std::string& path, const llama::Weights& w) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, parallel_sampling = false;
+  bool quick = false, parallel_sampling = false, window_storage = false;
   std::string kv = "bf16";
   bench::SamplingShape sampling_shape;
   std::FILE* out = stdout;
@@ -271,6 +356,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) out = std::fopen(argv[++i], "w");
     if (std::strcmp(argv[i], "--weights-out") == 0 && i + 1 < argc) weights_out = argv[++i];
     if (std::strcmp(argv[i], "--parallel-sampling") == 0) parallel_sampling = true;
+    if (std::strcmp(argv[i], "--window-storage") == 0) window_storage = true;
     if (std::strcmp(argv[i], "--kv") == 0 && i + 1 < argc) kv = argv[++i];
     if (std::strcmp(argv[i], "--max-gemv-width") == 0 && i + 1 < argc) g_max_gemv_width = std::atoi(argv[++i]);
     if (std::strcmp(argv[i], "--sampling-shape") == 0 && i + 1 < argc && !parse_shape(argv[++i], sampling_shape)) {
@@ -290,8 +376,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "cellkv-bench-serve: --kv takes bf16 or fp8, not %s\n", kv.c_str());
     return 1;
   }
-  if (kv == "fp8" && parallel_sampling) {
-    std::fprintf(stderr, "cellkv-bench-serve: --kv fp8 runs the sessions mode only (not --parallel-sampling)\n");
+  if (kv == "fp8" && (parallel_sampling || window_storage)) {
+    std::fprintf(stderr, "cellkv-bench-serve: --kv fp8 runs the sessions mode only (not --parallel-sampling or "
+                         "--window-storage)\n");
+    return 1;
+  }
+  if (parallel_sampling && window_storage) {
+    std::fprintf(stderr, "cellkv-bench-serve: --parallel-sampling and --window-storage are separate runs\n");
     return 1;
   }
   int devices = 0;
@@ -324,6 +415,19 @@ int main(int argc, char** argv) {
                  "overlapped; breakdown per step from %d profiled steps (host ms from the timed pass)\n",
                  kPrompt, kMaxLen, kTimed, kProfiled);
   try {
+    if (window_storage) {
+      std::fprintf(stderr,
+                   "window storage: the Gemma-style model (windows 1024 x 5, 0; dim %d, H_q %d, H_kv %d, D %d), "
+                   "prompts of 4096 tokens, cell layout, clustered<64>\n",
+                   bench::kGemmaConfig.dim, bench::kGemmaConfig.heads_q, bench::kGemmaConfig.heads_kv,
+                   bench::kGemmaConfig.head_dim);
+      const llama::Weights gemma = llama::generate(bench::kGemmaConfig);
+      for (const std::int32_t n : counts) {
+        if (quick && n > 16) break;
+        run_window_storage(out, gemma, n);
+      }
+      return report_kv_memory(out) ? 0 : 1;
+    }
     if (parallel_sampling) {
       const std::int32_t runs = quick ? 1 : 3;
       const SamplingRow shared = measure_sampling<Cells>(weights, sampling_shape, true, runs);

@@ -29,7 +29,13 @@ namespace demo {
 // (demo.hpp check_solo); in fp32 it asks for the same tokens.
 template <class S>
 int run_gpu(const char* kv_name) {
-  using Model = cellkv::Windows<0, 128, 0, 128, 0, 128>;
+  // Gemma-style: 5 sliding-window layers to 1 full-attention layer, the window scaled to the demo's
+  // contexts (up to 256 positions) so that windows fill and window storage lets old rows go. A
+  // context shift keeps positions 0..31, which window pools have let go of by then, and drops half
+  // of the rest: the next token (position 144) must not see them through its window, so the window
+  // is at most 144 - 32 = 112 (a larger one is refused with window_evicted; docs/design.md).
+  constexpr std::int32_t kWindow = 64;
+  using Model = cellkv::Windows<kWindow, kWindow, kWindow, kWindow, kWindow, 0>;
   using Cache = cellkv::gpu::DeviceCache<cellkv::layout::cell, S, Model, cellkv::placement::clustered<64>, 64>;
   const llama::Config config{.vocab = 2048, .dim = 512, .layers = Model::kLayers, .heads_q = 8, .heads_kv = 2,
                              .head_dim = 64, .ffn = 1024};
@@ -42,21 +48,29 @@ int run_gpu(const char* kv_name) {
   s.long_max_new = 320;  // past the budget of 256 positions: these sessions shift, some twice
   s.limits.max_tokens_per_session = 256;
   s.limits.context_shift.keep = 32;
-  const cellkv::CacheConfig cache_config{.max_write = s.limits.max_write, .max_cells = 16384, .max_seqs = 64};
+  // The batch keeps the windowed layers' K/V in a window pool (the concurrent sessions x (window
+  // + a page of 64 + a step of 64) cells); the solo re-runs store every layer in full, so matching
+  // tokens show that window storage changes nothing a query sees.
+  const cellkv::CacheConfig full_config{.max_write = s.limits.max_write, .max_cells = 16384, .max_seqs = 64};
+  cellkv::CacheConfig cache_config = full_config;
+  cache_config.window_cells = s.concurrency * (kWindow + 64 + s.limits.max_write);
   const cellkv::gpu::PoolShape shape{.layers = config.layers, .heads_kv = config.heads_kv, .head_dim = config.head_dim,
                                      .heads_q = config.heads_q};
   cudaDeviceProp prop{};
   (void)cudaGetDeviceProperties(&prop, 0);
   const bool fp32 = std::is_same_v<S, float>;
-  std::printf("cellkv demo on the GPU (%s): a %d-layer decoder in %s through cuBLAS, K/V cache %s, windows {0, 128} "
-              "x 3, cell layout, %d cells, CUDA graphs per step width\n",
-              prop.name, config.layers, fp32 ? "fp32" : "bf16", kv_name, cache_config.max_cells);
+  std::printf("cellkv demo on the GPU (%s): a %d-layer decoder in %s through cuBLAS, K/V cache %s, windows {%d x 5, "
+              "0}, cell layout, %d cells; window layers stored in a pool of %d cells; CUDA graphs per step width\n",
+              prop.name, config.layers, fp32 ? "fp32" : "bf16", kv_name, kWindow, cache_config.max_cells,
+              cache_config.window_cells);
   cellkv::gpu::Stream stream;
   Cache cache(cache_config, shape);
   const auto footprint = Cache::Shard::footprint(cache_config, shape);
-  if (footprint.ok())
-    std::printf("  K/V pools: %.1f MiB (%zu bytes per cell)\n",
+  const auto full_footprint = Cache::Shard::footprint(full_config, shape);
+  if (footprint.ok() && full_footprint.ok())
+    std::printf("  K/V pools: %.1f MiB with window storage, %.1f MiB storing every layer in full (%zu bytes per cell)\n",
                 static_cast<double>(footprint.value().kv_pools) / (1024.0 * 1024.0),
+                static_cast<double>(full_footprint.value().kv_pools) / (1024.0 * 1024.0),
                 cellkv::pool_bytes_per_cell(shape, cellkv::gpu::kv_storage_of<S>()).value_or(0));
   llama::GpuLlama<Cache> model(config, weights, cache, stream.get());
   cellkv::batching::Executor exec(model, cache, s.limits);
@@ -68,14 +82,15 @@ int run_gpu(const char* kv_name) {
   });
   const int mismatches = check_solo(requests, out, s, [&](const std::vector<std::int32_t>& prompt, std::int32_t max_new,
                                                           const cellkv::batching::SamplingParams& sampling) {
-    Cache solo_cache(cache_config, shape);
+    Cache solo_cache(full_config, shape);
     llama::GpuLlama<Cache> solo_model(config, weights, solo_cache, stream.get());
     cellkv::batching::Executor solo(solo_model, solo_cache, s.limits);
     return generate_alone(solo, prompt, max_new, sampling);
   }, /*exact=*/fp32);
   std::printf("%s\n", mismatches != 0 ? "FAILED: solo re-runs differ"
-                       : fp32     ? "OK: every solo re-run matched the batch"
-                                  : "OK: every solo re-run matched the batch's context shifts and length");
+                       : fp32     ? "OK: every solo re-run (full storage) matched the batch (window storage)"
+                                  : "OK: every solo re-run (full storage) matched the batch's (window storage) context "
+                                    "shifts and length");
   return mismatches == 0 ? 0 : 1;
 }
 

@@ -155,6 +155,8 @@ Result<Footprint> device_footprint(const CacheConfig& config, const PoolShape& s
   const std::int64_t table_entries =
       PositionTable::flat_size(seqs, config.max_cells) +
       (windowed ? W::kWindowedCount * PositionTable::flat_size(seqs, config.window_cells, config.max_cells) : 0);
+  // The device keeps every pool's table in one array that table writes index by int32.
+  if (L::kPositionTable && table_entries > std::numeric_limits<std::int32_t>::max()) return Errc::size_overflow;
   const std::optional<std::size_t> table =
       L::kPositionTable ? detail::size_product({sizeof(std::int32_t), size(table_entries)}) : std::optional<std::size_t>{0};
   const std::optional<std::size_t> mask_bytes =

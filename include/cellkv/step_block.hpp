@@ -5,6 +5,8 @@
 //   read_len      int64 [1]
 //   tokens        int32 [1], num_segments int32 [1]
 //   token_seq     int32 [max_write], token_pos int32 [max_write]
+//   window_cells  int64 [window pools][max_write] row token t writes in window pool i (window storage)
+//   window_read_len int64 [window pools]          each window pool's read_len   (window storage)
 //   segments      Segment [max_write]                                   (16-byte aligned)
 //   work          per window buffer: counts int32 [3], decode_seg int32 [max_write],
 //                 decode_prefix int32 [max_write + 1], prefill PrefillItem [max_prefill]
@@ -48,6 +50,7 @@ struct StepBlockShape {
   std::int32_t max_table_writes = 0;  // position-table writes one upload carries (cell layout)
   std::int32_t max_runs = 0;          // shared-prefix runs per step (cell layout; 0: no sharing)
   std::int32_t shared_slots = 0;      // shared-prefix partial slots (and run tokens, items) per step
+  std::int32_t window_pools = 0;      // window storage: pools of the windowed layers (0: none)
 };
 
 // Shared-prefix partial slots a cache of max_write tokens per step provides: 2 max_write,
@@ -58,8 +61,8 @@ constexpr std::int32_t shared_slot_capacity(std::int32_t max_write) noexcept {
 
 // Byte offsets of the step block's parts (identical on host staging and device).
 struct StepBlockLayout {
-  std::size_t cells = 0, read_len = 0, tokens = 0, num_segments = 0, token_seq = 0, token_pos = 0, segments = 0,
-              work = 0, work_bytes = 0, ranges = 0, shared = 0, table_writes = 0, bytes = 0;
+  std::size_t cells = 0, read_len = 0, tokens = 0, num_segments = 0, token_seq = 0, token_pos = 0, window_cells = 0,
+              window_read_len = 0, segments = 0, work = 0, work_bytes = 0, ranges = 0, shared = 0, table_writes = 0, bytes = 0;
   // Inside the shared part: counts, own_begin, token_slots, runs, run_tokens, run_slot, items (the
   // list at the top of this file).
   std::size_t own_begin = 0, token_slots = 0, runs = 0, run_tokens = 0, run_slot = 0, items = 0;
@@ -71,7 +74,9 @@ struct StepBlockLayout {
     num_segments = tokens + 4;
     token_seq = num_segments + 4;
     token_pos = token_seq + 4 * w;
-    segments = align16(token_pos + 4 * w);
+    window_cells = align16(token_pos + 4 * w);
+    window_read_len = window_cells + 8 * w * static_cast<std::size_t>(s.window_pools);
+    segments = align16(window_read_len + 8 * static_cast<std::size_t>(s.window_pools));
     work = align16(segments + sizeof(Segment) * w);
     // per window: counts [3], decode_seg [w], decode_prefix [w + 1], then from a 16-byte boundary
     // (work_at) the prefill items
@@ -115,10 +120,11 @@ struct StepBlockLayout {
 
 // The step block of a device cache planned by a `Host` (a KVCache) for a shard of `shape`:
 // max_write tokens, one work area per distinct window, the prefill items of the shard's GQA group,
-// row ranges (sequence layout) or room for max(4 max_write, 4096) table writes (cell layout), and
-// with `shared_prefixes` (cell layout, the table kernels' element types) max_write shared-prefix
-// runs and shared_slot_capacity(max_write) slots. Refuses max_write < 1 (bad_argument) and counts
-// past int32 (size_overflow).
+// row ranges (sequence layout) or room for max(4 max_write, 4096) table writes per position table
+// (cell layout: one, or 1 + window pools with window storage), and with `shared_prefixes` (cell
+// layout, the table kernels' element types) max_write shared-prefix runs and
+// shared_slot_capacity(max_write) slots. Refuses max_write < 1 (bad_argument) and counts past int32
+// (size_overflow).
 template <class Host>
 Result<StepBlockShape> step_block_shape(const CacheConfig& config, const PoolShape& shape, bool shared_prefixes) {
   constexpr bool kTable = Host::Layout::kPositionTable;  // else row ranges (layout.hpp)
@@ -126,7 +132,9 @@ Result<StepBlockShape> step_block_shape(const CacheConfig& config, const PoolSha
   if (config.max_write < 1) return Errc::bad_argument;
   const std::int32_t group = shape.heads_q > 0 && shape.heads_kv > 0 ? std::max(1, shape.heads_q / shape.heads_kv) : 1;
   const std::int64_t prefill = max_prefill_items(config.max_write, group);
-  const std::int64_t table_writes = kTable ? std::max<std::int64_t>(4 * std::int64_t{config.max_write}, 4096) : 0;
+  const std::int32_t window_pools = kTable && config.window_cells > 0 ? Host::Windows::kWindowedCount : 0;
+  const std::int64_t table_writes =
+      kTable ? std::max<std::int64_t>(4 * std::int64_t{config.max_write}, 4096) * (1 + window_pools) : 0;
   if (prefill > kInt32Max || table_writes > kInt32Max) return Errc::size_overflow;
   const bool sharing = kTable && shared_prefixes;
   return StepBlockShape{config.max_write,
@@ -135,7 +143,8 @@ Result<StepBlockShape> step_block_shape(const CacheConfig& config, const PoolSha
                         !kTable,
                         static_cast<std::int32_t>(table_writes),
                         sharing ? config.max_write : 0,
-                        sharing ? shared_slot_capacity(config.max_write) : 0};
+                        sharing ? shared_slot_capacity(config.max_write) : 0,
+                        window_pools};
 }
 
 }  // namespace cellkv

@@ -25,13 +25,13 @@ class ForwardHarness {
   ForwardHarness(Cache& cache, std::int32_t heads_q, std::int32_t max_width)
       : cache_(cache),
         heads_q_(heads_q),
-        shape_(cache.pool().shape()),
+        shape_(cache.pools().shape()),
         q_(static_cast<std::size_t>(max_width * heads_q * shape_.head_dim)),
         k_(static_cast<std::size_t>(max_width) * kv_row()),
         v_(k_.buf.size()),
         out_(static_cast<std::size_t>(W::kLayers) * q_.buf.size()) {
-    const std::size_t pool = static_cast<std::size_t>(cache.pool().rows()) * kv_row();
-    host_k_.assign(static_cast<std::size_t>(W::kLayers), std::vector<double>(pool, 0.0));
+    for (std::int32_t l = 0; l < W::kLayers; ++l)
+      host_k_.emplace_back(static_cast<std::size_t>(rows_of(l)) * kv_row(), 0.0);
     host_v_ = host_k_;
   }
 
@@ -51,11 +51,7 @@ class ForwardHarness {
     const auto kn = static_cast<std::size_t>(host.step().tokens) * kv_row();
     const std::vector<double> k = as_double(std::vector<T>(hk_.begin(), hk_.begin() + static_cast<std::ptrdiff_t>(kn)));
     const std::vector<double> v = as_double(std::vector<T>(hv_.begin(), hv_.begin() + static_cast<std::ptrdiff_t>(kn)));
-    for (std::int32_t l = 0; l < W::kLayers; ++l) {
-      const PoolView<double> pool{host_k_[static_cast<std::size_t>(l)].data(), host_v_[static_cast<std::size_t>(l)].data(),
-                                  cache_.pool().rows(), shape_.heads_kv, shape_.head_dim};
-      reference::write<double>(pool, k, v, host.step().rows);
-    }
+    for (std::int32_t l = 0; l < W::kLayers; ++l) reference::write<double>(host_pool(l), k, v, host.step_rows(W::window_of_layer(l)));
   }
 
   // New random inputs for the step (width rows; the real tokens are the first T).
@@ -97,10 +93,8 @@ class ForwardHarness {
     double worst = 0;
     for (std::int32_t l = 0; l < W::kLayers; ++l) {
       std::vector<double> want(qn);
-      const PoolView<double> pool{host_k_[static_cast<std::size_t>(l)].data(), host_v_[static_cast<std::size_t>(l)].data(),
-                                  cache_.pool().rows(), shape_.heads_kv, shape_.head_dim};
       REQUIRE(reference::update_and_attend<std::remove_cvref_t<decltype(host)>, double>(
-                  host, W::window_of_layer(l), pool, q, k, v, want, heads_q_, reference::default_scale(shape_.head_dim))
+                  host, W::window_of_layer(l), host_pool(l), q, k, v, want, heads_q_, reference::default_scale(shape_.head_dim))
                   .ok());
       const auto first = got_all.begin() + static_cast<std::ptrdiff_t>(out_offset(l));
       worst = std::max(worst, compare_outputs(std::vector<T>(first, first + static_cast<std::ptrdiff_t>(qn)), want,
@@ -133,10 +127,18 @@ class ForwardHarness {
   // K re-rotations of moved cells (after the copies), applied to the host pools too: the host's
   // float64 rotation of rope.hpp, the oracle of the device's.
   void mirror_rotations(const std::vector<RowRotation>& rotations, const RopeSpec& spec) {
+    for (std::int32_t l = 0; l < W::kLayers; ++l) rerotate_keys<double>(host_pool(l), rotations, spec);
+  }
+
+  // Every pool's pending copies, then its K re-rotations (with `spec`; none without), applied to
+  // the host pools of that pool's layers (window storage: each window pool's changes its own).
+  void mirror_pending_changes(const RopeSpec* spec) {
+    const auto& host = cache_.host();
     for (std::int32_t l = 0; l < W::kLayers; ++l) {
-      const PoolView<double> pool{host_k_[static_cast<std::size_t>(l)].data(), host_v_[static_cast<std::size_t>(l)].data(),
-                                  cache_.pool().rows(), shape_.heads_kv, shape_.head_dim};
-      rerotate_keys<double>(pool, rotations, spec);
+      const std::int32_t w = W::window_of_layer(l);
+      const PendingChanges c = has_window_storage(host) && w > 0 ? host.pool(w).pending_changes() : host.pending_changes();
+      for (const RowCopy& copy : c.copies) copy_rows(l, copy);
+      if (spec != nullptr) rerotate_keys<double>(host_pool(l), c.rotations, *spec);
     }
   }
 
@@ -144,14 +146,23 @@ class ForwardHarness {
   // the host pools too.
   void mirror_copies(const std::vector<RowCopy>& copies) {
     for (const RowCopy& c : copies)
-      for (std::int32_t l = 0; l < W::kLayers; ++l)
-        for (auto* pool : {&host_k_[static_cast<std::size_t>(l)], &host_v_[static_cast<std::size_t>(l)]})
-          std::copy_n(pool->begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(c.src_row) * kv_row()),
-                      static_cast<std::size_t>(c.rows) * kv_row(),
-                      pool->begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(c.dst_row) * kv_row()));
+      for (std::int32_t l = 0; l < W::kLayers; ++l) copy_rows(l, c);
   }
 
  private:
+  // Rows of layer l's pool (window storage: its window's pool).
+  std::int64_t rows_of(std::int32_t l) const { return cache_.host().pool_rows(W::window_of_layer(l)); }
+  PoolView<double> host_pool(std::int32_t l) {
+    return {host_k_[static_cast<std::size_t>(l)].data(), host_v_[static_cast<std::size_t>(l)].data(), rows_of(l),
+            shape_.heads_kv, shape_.head_dim};
+  }
+  void copy_rows(std::int32_t l, const RowCopy& c) {
+    for (auto* pool : {&host_k_[static_cast<std::size_t>(l)], &host_v_[static_cast<std::size_t>(l)]})
+      std::copy_n(pool->begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(c.src_row) * kv_row()),
+                  static_cast<std::size_t>(c.rows) * kv_row(),
+                  pool->begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(c.dst_row) * kv_row()));
+  }
+
   std::size_t kv_row() const { return static_cast<std::size_t>(shape_.heads_kv * shape_.head_dim); }
   std::size_t out_offset(std::int32_t layer) const { return static_cast<std::size_t>(layer) * q_.buf.size(); }
 

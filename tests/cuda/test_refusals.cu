@@ -388,19 +388,6 @@ TEST_CASE("a device cache whose sizes overflow is refused with std::invalid_argu
   CHECK_THROWS_AS(BigCache(kBigConfig, shape), std::invalid_argument);
 }
 
-TEST_CASE("device caches refuse window storage (served by the host caches only so far), allocating nothing") {
-  using Windowed = gpu::DeviceCache<layout::cell, T, Windows<0, 16>, placement::lowest_free, 8>;
-  using WindowedSharded = gpu::ShardedCache<layout::cell, T, Windows<0, 16>, placement::lowest_free, 8>;
-  const CacheConfig config{.max_write = 4, .max_cells = 256, .window_cells = 64};
-  const gpu::PoolShape shape{.layers = 2, .heads_kv = 2, .head_dim = 64, .heads_q = 8};
-  CHECK(Windowed::footprint(config, shape).status() == Errc::bad_argument);
-  const std::size_t free_before = free_device_memory();
-  CHECK_THROWS_AS(Windowed(config, shape), std::invalid_argument);
-  CHECK_THROWS_AS(WindowedSharded(config, shape, std::vector<int>{0}), std::invalid_argument);
-  CHECK(free_device_memory() >= free_before);
-  require_device_ok();
-}
-
 TEST_CASE("a device cache allocates at least its footprint; its pools are exactly the footprint's") {
   const gpu::PoolShape shape{.layers = 1, .heads_kv = 2, .head_dim = 64, .heads_q = 8};
   const Footprint f = BigCache::footprint(kBigConfig, shape).value();

@@ -532,6 +532,43 @@ TEST_CASE("session table: a clone shares its source's prompt cells") {
   CHECK(cache.free_cells() == 64);
 }
 
+TEST_CASE("session table: with window storage, a clone of a source past its window feeds the whole prompt") {
+  using WindowCells = CellCache<Windows<0, 8>>;
+  WindowCells cache({.max_write = 4, .max_cells = 400, .max_seqs = 4, .window_cells = 4 * (8 + 64 + 4)});
+  SessionTable<WindowCells> table(cache, {.max_write = 4, .min_prefill_tokens = 2, .max_tokens_per_session = 300});
+  const SessionId a = table.add(iota_tokens(1, 6), 200).value();
+  auto sampled = [](const Ran& r) {  // token 7 for every row that samples
+    return Tokens(static_cast<std::size_t>(std::count_if(r.batch.logit_rows.begin(), r.batch.logit_rows.end(),
+                                                         [](const LogitRow& l) { return l.samples; })),
+                  7);
+  };
+  auto step = [&] {
+    const Ran r = declare(cache, table);
+    REQUIRE(table.accept(sampled(r)).ok());
+  };
+  while (table.cached_tokens(a).value() < 140) step();  // the window pool let go of positions 0..127
+  const std::int32_t as = table.sequence_of(a).value();
+  REQUIRE(cache.seq_clone(as, 5).status() == Errc::window_evicted);  // what a shared prefix would need
+  const std::int32_t free_before = cache.free_cells();
+
+  const SessionId c = table.clone(a, 3).value();
+  const std::int32_t cs = table.sequence_of(c).value();
+  CHECK(table.cached_tokens(c).value() == 0);
+  CHECK(cache.pos(cs).value() == 0);
+  CHECK(cache.free_cells() == free_before);  // nothing shared, nothing copied
+  CHECK(to_tokens(table.prompt(c).value()) == iota_tokens(1, 6));
+  // c feeds its whole prompt from position 0, then generates its 3 tokens.
+  const Ran first = declare(cache, table);
+  std::vector<std::int32_t> fed;
+  for (std::size_t t = 0; t < first.batch.seqs.size(); ++t)
+    if (first.batch.seqs[t] == cs) fed.push_back(first.positions[t]);
+  CHECK(fed == Positions{0, 1, 2});
+  REQUIRE(table.accept(sampled(first)).ok());
+  while (table.state(c).value() != SessionState::done) step();
+  CHECK(table.cached_tokens(c).value() == 6 + 3 - 1);
+  check_positions(cache, table);
+}
+
 TEST_CASE("session table: a clone on the sequence layout copies the shared prefix") {
   Slots cache({.max_write = 8, .max_seqs = 4, .max_len = 16});
   SlotTable table(cache, {.max_write = 4, .min_prefill_tokens = 2, .max_tokens_per_session = 16});

@@ -255,6 +255,17 @@ TEST_CASE("footprint: window storage keeps window_cells rows for windowed layers
             .status() == Errc::bad_argument);  // fewer cells than max_write
 }
 
+TEST_CASE("footprint refuses window storage whose tables together pass int32 entries on the device") {
+  // Each table fits int32 on its own (the host cache accepts the config), but the device keeps the
+  // main table and the window pool's in one array that table writes index by int32.
+  const CacheConfig c{.max_write = 64, .max_cells = 1'200'000'000, .max_seqs = 1, .window_cells = 1'200'000'000};
+  REQUIRE(CellHost::validate(c).ok());
+  CHECK(device_footprint<CellHost>(c, kShape, {.element_bytes = 2}).status() == Errc::size_overflow);
+  // A window table spans the main pool's positions whatever window_cells is: 10^9 cells each fit.
+  const CacheConfig smaller{.max_write = 64, .max_cells = 1'000'000'000, .max_seqs = 1, .window_cells = 1'000'000'000};
+  CHECK(device_footprint<CellHost>(smaller, kShape, {.element_bytes = 2}).ok());
+}
+
 TEST_CASE("footprint: a 5:1 model of window 1024 at 32k context keeps about a fifth of full storage") {
   // Gemma-style: five layers of window 1024 to one global layer; 8 sequences of 32768 positions,
   // steps of up to 256 tokens; a window pool of 8 x (1024 + 64 + 256) cells.

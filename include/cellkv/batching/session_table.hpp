@@ -342,9 +342,12 @@ class SessionTable {
   // not given), sharing src's cache positions < shared = min(prompt tokens src has fed,
   // prompt.size() - 1) through cache.seq_clone(src_seq, shared). The clone feeds the rest of the
   // prompt itself (at least the last prompt token, whose logits give its own first token), then
-  // generates independently. Refuses, in this order: unknown src (bad_argument, unknown_session),
-  // max_new_tokens < 0 or an open batch (bad_argument), bad sampling parameters, budgets as add,
-  // too_many_sessions (as add).
+  // generates independently. With window storage (CacheConfig::window_cells), when src's window
+  // pools have let go of positions the clone's next token would see (the cache refuses the fork
+  // with window_evicted: src generated past its window), no shorter prefix could be shared either:
+  // the clone shares nothing and feeds the whole prompt itself, as a session added with it would.
+  // Refuses, in this order: unknown src (bad_argument, unknown_session), max_new_tokens < 0 or an
+  // open batch (bad_argument), bad sampling parameters, budgets as add, too_many_sessions (as add).
   SessionResult<SessionId> clone(SessionId src, std::int32_t max_new_tokens) {
     const Session* from = find(src);
     if (from == nullptr) return unknown(src);
@@ -361,7 +364,11 @@ class SessionTable {
     const std::int32_t src_seq = from->seq;
     Session s = make_session(from->prompt, max_new_tokens, shared, std::move(sampling));
     sessions_.reserve(sessions_.size() + 1);  // invalidates `from`; not used below
-    const Result<std::int32_t> seq = cache_->seq_clone(src_seq, shared);
+    Result<std::int32_t> seq = cache_->seq_clone(src_seq, shared);
+    if (seq.status() == Errc::window_evicted) {
+      s.shared = s.fed = 0;
+      seq = cache_->seq_new();
+    }
     if (!seq.ok()) return cache_refusal(seq.status());
     return commit(std::move(s), seq.value());
   }

@@ -24,6 +24,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/kv_cache.hpp"
@@ -33,6 +34,7 @@
 #include "cellkv/gpu/key_rotation.cuh"
 #include "cellkv/gpu/kernels/tile_rows.cuh"
 #include "cellkv/gpu/kv_pool.hpp"
+#include "cellkv/gpu/pool_set.hpp"
 #include "cellkv/gpu/kv_views.hpp"
 #include "cellkv/gpu/launch/ops.cuh"
 #include "cellkv/gpu/launch/row_copies.cuh"
@@ -79,7 +81,7 @@ class DeviceShard {
   // Throws std::invalid_argument on a bad shape or sizes that overflow, OutOfDeviceMemory when the
   // footprint passes the free memory, cellkv::gpu::Error on a CUDA failure.
   DeviceShard(const Host& host, PoolShape shape)
-      : host_(host), pool_(config_that_fits(host.config(), shape), shape), buffers_(make_buffers(host, shape)) {
+      : host_(host), pools_(config_that_fits(host.config(), shape), shape), buffers_(make_buffers(host, shape)) {
     if (shape.layers != W::kLayers)
       throw std::invalid_argument("cellkv::gpu::DeviceShard: the pool needs one layer per layer of the window set");
     if (kTable) buffers_.bindings().max_cells = host.config().max_cells;
@@ -98,7 +100,11 @@ class DeviceShard {
     (void)buffers_.wait_idle();
   }
 
-  [[nodiscard]] const KVPool<L, T>& pool() const noexcept { return pool_; }
+  // The main pool: every layer's, or with window storage the full-attention layers' (precondition
+  // then: the set has one). pools() holds every pool; view(layer) is a layer's K and V.
+  [[nodiscard]] const KVPool<L, T>& pool() const noexcept { return *pools_.pool(0); }
+  [[nodiscard]] const PoolSet<L, T, W>& pools() const noexcept { return pools_; }
+  [[nodiscard]] auto view(std::int32_t layer) const noexcept { return pools_.view(layer); }
   [[nodiscard]] const StepBindings& bindings() const noexcept { return buffers_.bindings(); }
   // Device mask of window buffer b (cell layout): [max_write, max_cells] bool, row stride max_cells;
   // nullptr until an upload built masks.
@@ -147,10 +153,9 @@ class DeviceShard {
 
   // The device bytes a shard of `shape` allocates for `config` (footprint.hpp), the dense masks
   // counted when uploads build them: Masks::always, or if_needed on the reference kernel's path
-  // (fp32 storage, shapes the table kernels do not serve; cell layout only).
-  // Window storage (CacheConfig::window_cells > 0) is host-only so far: refused (bad_argument).
+  // (fp32 storage, shapes the table kernels do not serve; cell layout only). With window storage
+  // (CacheConfig::window_cells > 0) the windowed layers' pools and tables are window-sized.
   static Result<Footprint> footprint(const CacheConfig& config, const PoolShape& shape, Masks masks = Masks::if_needed) {
-    if (config.window_cells != 0) return Errc::bad_argument;
     const bool reference = !table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv);
     const bool built = masks == Masks::always || (masks == Masks::if_needed && reference);
     const StorageBytes bytes = storage_bytes(kv_storage_of<T>());
@@ -160,7 +165,7 @@ class DeviceShard {
   // How upload re-rotates the K rows seq_add / seq_div moved (key_rotation.cuh); bad_argument when
   // rotation.check refuses it for this shard's shape (nothing changes). Applies from the next upload.
   Status set_key_rotation(KeyRotation<T> rotation) {
-    if (const Status s = rotation.check(pool_.shape().layers, pool_.shape().head_dim); !s.ok()) return s;
+    if (const Status s = rotation.check(pools_.shape().layers, pools_.shape().head_dim); !s.ok()) return s;
     rotation_ = std::move(rotation);
     return {};
   }
@@ -174,7 +179,7 @@ class DeviceShard {
   Status set_fp8_config(Fp8Config config)
     requires kFp8Kv<T>
   {
-    return pool_.set_fp8_config(std::move(config));
+    return pools_.set_fp8_config(config);
   }
 
   // True while this shard has applied (all or part of) the host's pending copies and re-rotations
@@ -182,8 +187,12 @@ class DeviceShard {
   // (it resumes where a failed one stopped), so the owner refuses verbs that could change them
   // (Errc::upload_incomplete) until every shard has uploaded.
   [[nodiscard]] bool holds_applied_changes() const noexcept {
-    const PendingChanges p = host_.pending_changes();
-    return applied_.epoch == host_.changes_epoch() && applied_.copies && !(p.copies.empty() && p.rotations.empty());
+    bool pending = false;
+    for (std::int32_t p = 0; p < pools_.count(); ++p) {
+      const PendingChanges c = changes_of_pool(p);
+      pending = pending || !(c.copies.empty() && c.rotations.empty());
+    }
+    return applied_.epoch == host_.changes_epoch() && applied_.copies && pending;
   }
 
   // Reports and clears the faults device code set since the last report (docs/design.md section
@@ -211,15 +220,15 @@ class DeviceShard {
     if (width == 0) width = plan.tokens;
     if (const Status s = last_.wait_on(stream); !s.ok()) return s;
     if (const Status s = apply_changes(stream); !s.ok()) return s;
-    const TableChanges changes = host_.pending_changes().table;
+    gather_table_writes();
     std::size_t first = 0;  // table writes beyond one block's room go first, in batches
     const auto room = static_cast<std::size_t>(buffers_.shape().max_table_writes);
-    for (; changes.indices.size() - first > room; first += room)
-      if (const Status s = send_table_writes(changes, first, room, stream); !s.ok()) return s;
+    for (; table_writes_.size() - first > room; first += room)
+      if (const Status s = send_table_writes(first, room, stream); !s.ok()) return s;
     StepBuffers::Slot& slot = buffers_.next_slot();
     if (const Status s = slot.done.synchronize(); !s.ok()) return s;
     fill_block(slot.block.data(), plan, width);
-    const std::size_t writes = stage_table_writes(slot, changes, first, changes.indices.size() - first);
+    const std::size_t writes = stage_table_writes(slot, first, table_writes_.size() - first);
     CELLKV_CUDA_STATUS(cudaMemcpyAsync(buffers_.device_block(), slot.block.data(), buffers_.upload_bytes(writes),
                                        cudaMemcpyHostToDevice, stream.get()));
     if (const Status s = slot.done.record(stream); !s.ok()) return s;
@@ -229,7 +238,7 @@ class DeviceShard {
       return s;
     const bool fill_masks = kTable && (masks == Masks::always || (masks == Masks::if_needed && !runs_table_kernels()));
     if (fill_masks)
-      if (const Status s = make_masks(plan.read_len, width, stream); !s.ok()) return s;
+      if (const Status s = make_masks(plan, width, stream); !s.ok()) return s;
     if (const Status s = last_.record(stream); !s.ok()) return s;
     uploaded_serial_ = plan.serial;
     width_ = width;
@@ -249,7 +258,8 @@ class DeviceShard {
   // Writes the step's K and V rows of `layer`: k, v [width, H_kv, D].
   Status write(std::int32_t layer, const In* k, const In* v, std::int32_t tokens, ::cuda::stream_ref stream) const {
     if (const Status s = check_layer_call(layer, tokens); !s.ok()) return s;
-    return write_kv(pool_.view(layer), k, v, bindings().cells, tokens, bindings().fault, stream);
+    return write_kv(pools_.view(layer), k, v, buffers_.pool_bindings(pools_.pool_of(layer)).cells, tokens,
+                    bindings().fault, stream);
   }
 
   // Attention of `layer` through its window: q, out [width, H_q, D]; scale 0 = 1/sqrt(D).
@@ -291,9 +301,6 @@ class DeviceShard {
  private:
   // `config`, once this shard's footprint is known to fit the current device's free memory.
   static const CacheConfig& config_that_fits(const CacheConfig& config, const PoolShape& shape) {
-    if (config.window_cells != 0)
-      throw std::invalid_argument("cellkv::gpu::DeviceShard: window storage (CacheConfig::window_cells) is served by the "
-                                  "host caches only so far");
     const Result<Footprint> f = footprint(config, shape);
     if (!f.ok())
       throw std::invalid_argument(std::string("cellkv::gpu::DeviceShard: ") + std::string(f.status().message()));
@@ -304,12 +311,16 @@ class DeviceShard {
   static StepBuffers make_buffers(const Host& host, const PoolShape& shape) {
     // Refusals were checked by footprint() before the pool was allocated.
     const StepBlockShape s = step_block_shape<Host>(host.config(), shape, kTableKernelElement<T>).value();
+    std::vector<TableGeometry> tables;
     if constexpr (kTable) {
-      const PositionTable& t = host.table();
-      return StepBuffers(s, static_cast<std::int64_t>(t.flat().size()), t.directory_entries(), t.dir_stride());
-    } else {
-      return StepBuffers(s, 0, 0, 0);
+      auto add = [&](const PositionTable& t) {
+        tables.push_back({static_cast<std::int64_t>(t.flat().size()), t.directory_entries(), t.dir_stride()});
+      };
+      add(host.table());
+      if (host.window_storage())
+        for (const std::int32_t w : W::kWindowed) add(host.pool(w).table());
     }
+    return StepBuffers(s, tables);
   }
 
   [[nodiscard]] bool ready() const noexcept {
@@ -326,14 +337,21 @@ class DeviceShard {
   [[nodiscard]] Status check_attend_args(std::int32_t layer, const In* q, const In* out, std::int32_t tokens,
                                          std::int32_t heads_q) const {
     if (const Status s = check_layer_call(layer, tokens); !s.ok()) return s;
-    if (uploaded_table_kernels_ && heads_q != pool_.shape().heads_q) return Errc::bad_shape;
+    if (uploaded_table_kernels_ && heads_q != pools_.shape().heads_q) return Errc::bad_shape;
     if (kTable && !uploaded_table_kernels_ && !masks_filled_) return Errc::no_step_declared;
     const AttentionArgs<In, StoredOf<T>> a{q, const_view(layer), const_cast<In*>(out), tokens, heads_q, 0.f};
     return detail::check_attention(a);
   }
 
   [[nodiscard]] ReadView<StoredOf<T>> const_view(std::int32_t layer) const noexcept {
-    return read_only(pool_.view(layer));
+    return read_only(pools_.view(layer));
+  }
+
+  // Pool p's pending changes (p: PoolSet's numbering; the host's main pool or window pool p - 1).
+  [[nodiscard]] PendingChanges changes_of_pool(std::int32_t p) const noexcept {
+    if constexpr (kTable)
+      if (p > 0) return host_.pool(W::kWindowed[static_cast<std::size_t>(p - 1)]).pending_changes();
+    return host_.pending_changes();
   }
 
   // The table kernels' geometry (decode tile, rows of a prefill item for the prefill kernel the
@@ -343,17 +361,17 @@ class DeviceShard {
     else return {};
   }
 
-  [[nodiscard]] Rows rows() const noexcept { return DeviceLayout<L>::rows(host_, bindings()); }
-
+  // Layers of window buffer `buffer` read their pool through that pool's bindings (pool_bindings).
   Status attend_buffer(std::int32_t buffer, std::int32_t layer, const In* q, In* out, std::int32_t tokens,
                        std::int32_t heads_q, float scale, ::cuda::stream_ref stream) const {
+    const StepBindings b = buffers_.pool_bindings(pools_.pool_of(layer));
     if constexpr (kTableKernelElement<T>)
       if (uploaded_table_kernels_)
         return table_->attend(buffer, W::kDistinctWindows[static_cast<std::size_t>(buffer)], q, out, const_view(layer),
-                              rows(), bindings(), tokens_, tokens, counts_[static_cast<std::size_t>(buffer)],
-                              graph_key(), scale, stream);
+                              DeviceLayout<L>::rows(host_, b), b, tokens_, tokens,
+                              counts_[static_cast<std::size_t>(buffer)], graph_key(), scale, stream);
     const AttentionArgs<In, StoredOf<T>> a{q, const_view(layer), out, tokens, heads_q, scale};
-    if constexpr (kTable) return masked_sdpa(a, mask(buffer), bindings().max_cells, bindings().read_len, stream);
+    if constexpr (kTable) return masked_sdpa(a, mask(buffer), b.max_cells, b.read_len, stream);
     else return range_sdpa(a, bindings().ranges_of(buffer), bindings().read_len, stream);
   }
 
@@ -363,17 +381,24 @@ class DeviceShard {
   Status apply_changes(::cuda::stream_ref stream) {
     if (applied_.epoch != host_.changes_epoch()) applied_ = Applied{host_.changes_epoch(), false, 0};
     if (!applied_.copies) {  // copies alone are idempotent: a failed run is simply run again
-      if (const Status s = copier_.run(pool_, host_.pending_changes().copies, stream); !s.ok()) return s;
+      for (std::int32_t p = 0; p < pools_.count(); ++p)
+        if (pools_.pool(p) != nullptr)
+          if (const Status s = copier_.run(*pools_.pool(p), changes_of_pool(p).copies, stream); !s.ok()) return s;
       applied_.copies = true;
     }
-    return run_rotations(stream);
+    std::int64_t call = 0;  // (pool, batch, layer) in order
+    for (std::int32_t p = 0; p < pools_.count(); ++p)
+      if (pools_.pool(p) != nullptr)
+        if (const Status s = run_rotations(p, call, stream); !s.ok()) return s;
+    return {};
   }
 
-  // The K re-rotations, every layer, in batches through a device list allocated by the first upload
-  // that has any (the host list is pageable: each copy is staged before it returns); the calls this
-  // shard already made for the same pending changes (applied_.rotation_calls) are skipped.
-  Status run_rotations(::cuda::stream_ref stream) {
-    const std::span<const RowRotation> all = host_.pending_changes().rotations;
+  // Pool p's K re-rotations, each of its layers, in batches through a device list allocated by the
+  // first upload that has any (the host list is pageable: each copy is staged before it returns);
+  // the calls this shard already made for the same pending changes (applied_.rotation_calls, calls
+  // numbered from `call` on) are skipped.
+  Status run_rotations(std::int32_t p, std::int64_t& call, ::cuda::stream_ref stream) {
+    const std::span<const RowRotation> all = changes_of_pool(p).rotations;
     if (all.empty()) return {};
     if (!rotation_.set()) return Errc::no_key_rotation;
     constexpr std::size_t kBatch = 4096;
@@ -384,22 +409,23 @@ class DeviceShard {
         return Errc::device_error;
       }
     }
-    std::int64_t call = 0;  // (batch, layer) in order
+    const std::int32_t layers = pools_.pool(p)->shape().layers;
     for (std::size_t first = 0; first < all.size(); first += kBatch) {
-      if (call + W::kLayers <= applied_.rotation_calls) {  // the whole batch ran before
-        call += W::kLayers;
+      if (call + layers <= applied_.rotation_calls) {  // the whole batch ran before
+        call += layers;
         continue;
       }
       const std::span<const RowRotation> batch = all.subspan(first, std::min(kBatch, all.size() - first));
       CELLKV_CUDA_STATUS(cudaMemcpyAsync(rotation_list_.data(), batch.data(), batch.size_bytes(), cudaMemcpyHostToDevice,
                                          stream.get()));
-      for (std::int32_t l = 0; l < W::kLayers; ++l, ++call) {
-        if (call < applied_.rotation_calls) continue;
-        if (const Status s = rotation_.run(l, pool_.view(l), rotation_list_.data(), static_cast<std::int32_t>(batch.size()),
+      for (std::int32_t l = 0; l < W::kLayers; ++l) {
+        if (pools_.pool_of(l) != p) continue;
+        if (call++ < applied_.rotation_calls) continue;
+        if (const Status s = rotation_.run(l, pools_.view(l), rotation_list_.data(), static_cast<std::int32_t>(batch.size()),
                                            stream);
             !s.ok())
           return s;
-        applied_.rotation_calls = call + 1;
+        applied_.rotation_calls = call;
       }
     }
     return {};
@@ -421,7 +447,9 @@ class DeviceShard {
     std::copy_n(plan.rows.data(), T_tokens, cells);
     std::copy_n(plan.seqs.data(), T_tokens, seq);
     std::copy_n(plan.positions.data(), T_tokens, pos);
-    for (std::int32_t t = plan.tokens; t < width; ++t) cells[t] = pool_.scratch_row(), seq[t] = -1, pos[t] = 0;
+    for (std::int32_t t = plan.tokens; t < width; ++t)
+      cells[t] = KVPool<L, T>::rows_for(host_.config()), seq[t] = -1, pos[t] = 0;  // the main pool's scratch row
+    fill_window_rows(block, plan, width);
     const SharedWork shared = lay.shared_at(block, buffers_.shape());
     const std::int32_t shared_items = runs_table_kernels() ? plan_sharing(plan, shared) : 0;
     step_kernels_ = runs_table_kernels() ? StepKernels{} : StepKernels::all();
@@ -429,14 +457,29 @@ class DeviceShard {
       const std::int32_t window = W::kDistinctWindows[static_cast<std::size_t>(b)];
       if (runs_table_kernels()) {
         const WindowWork work = lay.work_at(block, b, host_.max_write());
-        plan_window(plan.segments, shared.own_begin, window, plan_shape(), work);
-        counts_[static_cast<std::size_t>(b)] = WorkCounts{work.decode_count(), work.prefill_count(), shared_items};
-        step_kernels_ = step_kernels_ |
-                        needed_kernels(work.decode_count(), work.prefill_count(), plan.tokens < width, shared_items);
+        const bool main_pool = pools_.pool_of_window(window) == 0;  // window pools share no prefixes
+        const std::int32_t items = main_pool ? shared_items : 0;
+        plan_window(plan.segments, main_pool ? shared.own_begin : nullptr, window, plan_shape(), work);
+        counts_[static_cast<std::size_t>(b)] = WorkCounts{work.decode_count(), work.prefill_count(), items};
+        step_kernels_ = step_kernels_ | needed_kernels(work.decode_count(), work.prefill_count(), plan.tokens < width, items);
       } else if constexpr (!kTable) {
         auto* ranges = reinterpret_cast<RowRange*>(block + lay.ranges) + b * host_.max_write();
         for (std::int32_t t = 0; t < width; ++t) ranges[t] = t < plan.tokens ? host_.visible_range(t, window).value_or(RowRange{}) : RowRange{};
       }
+    }
+  }
+
+  // Window storage: each window pool's rows of the step's tokens (its scratch row for padding) and
+  // its read_len, into the staging block.
+  void fill_window_rows(std::byte* block, const StepPlan& plan, std::int32_t width) const {
+    const StepBlockLayout& lay = buffers_.layout();
+    const std::int32_t pools = buffers_.shape().window_pools;
+    if (pools == 0) return;
+    std::memcpy(block + lay.window_read_len, plan.window_read_len.data(), plan.window_read_len.size_bytes());
+    for (std::int32_t i = 0; i < pools; ++i) {
+      auto* cells = reinterpret_cast<std::int64_t*>(block + lay.window_cells) + static_cast<std::int64_t>(i) * host_.max_write();
+      std::copy_n(plan.window_rows.data() + static_cast<std::ptrdiff_t>(i) * plan.tokens, plan.tokens, cells);
+      std::fill(cells + plan.tokens, cells + width, std::int64_t{host_.config().window_cells});  // the scratch row
     }
   }
 
@@ -456,22 +499,31 @@ class DeviceShard {
     return 0;
   }
 
-  // Table writes [first, first + count) of `changes` into a staging slot; returns count.
-  std::size_t stage_table_writes(const StepBuffers::Slot& slot, const TableChanges& changes, std::size_t first,
-                                 std::size_t count) const {
-    TableWrite* out = slot.table_writes(buffers_.layout());
-    for (std::size_t i = 0; i < count; ++i) {
-      const std::int32_t index = changes.indices[first + i];
-      out[i] = TableWrite{index, changes.values[static_cast<std::size_t>(index)]};
+  // Every pool's pending table writes into table_writes_, each index moved to where its pool's
+  // table starts in the device's one array of tables (StepBuffers::table_offset).
+  void gather_table_writes() {
+    table_writes_.clear();
+    if constexpr (kTable) {
+      for (std::int32_t p = 0; p < buffers_.shape().window_pools + 1; ++p) {
+        const TableChanges changes = changes_of_pool(p).table;
+        const std::int32_t offset = buffers_.table_offset(p);
+        for (const std::int32_t index : changes.indices)
+          table_writes_.push_back(TableWrite{offset + index, changes.values[static_cast<std::size_t>(index)]});
+      }
     }
+  }
+
+  // Table writes [first, first + count) of table_writes_ into a staging slot; returns count.
+  std::size_t stage_table_writes(const StepBuffers::Slot& slot, std::size_t first, std::size_t count) const {
+    std::copy_n(table_writes_.data() + first, count, slot.table_writes(buffers_.layout()));
     return count;
   }
 
   // One batch of table writes ahead of the step block (a verb-heavy gap between steps).
-  Status send_table_writes(const TableChanges& changes, std::size_t first, std::size_t count, ::cuda::stream_ref stream) {
+  Status send_table_writes(std::size_t first, std::size_t count, ::cuda::stream_ref stream) {
     StepBuffers::Slot& slot = buffers_.next_slot();
     if (const Status s = slot.done.synchronize(); !s.ok()) return s;
-    stage_table_writes(slot, changes, first, count);
+    stage_table_writes(slot, first, count);
     const std::size_t at = buffers_.layout().table_writes;
     CELLKV_CUDA_STATUS(cudaMemcpyAsync(buffers_.device_block() + at, slot.block.data() + at, sizeof(TableWrite) * count,
                                        cudaMemcpyHostToDevice, stream.get()));
@@ -485,8 +537,9 @@ class DeviceShard {
     return windows;
   }
 
-  // The dense masks, allocated by the first upload that builds them.
-  Status make_masks(std::int64_t read_len, std::int32_t width, ::cuda::stream_ref stream) {
+  // The dense masks, allocated by the first upload that builds them; with window storage each
+  // window pool's buffer from that pool's table, over its rows.
+  Status make_masks(const StepPlan& plan, std::int32_t width, ::cuda::stream_ref stream) {
     if (masks_.size() == 0) {
       try {
         masks_ = DeviceBuffer<bool>(static_cast<std::size_t>(W::kDistinct) * static_cast<std::size_t>(host_.max_write()) *
@@ -496,11 +549,23 @@ class DeviceShard {
       }
       buffers_.bindings().masks = masks_.data();
     }
-    return build_masks(bindings(), window_list(), width, read_len, stream);
+    if (pools_.count() == 1) return build_masks(bindings(), window_list(), width, plan.read_len, stream);
+    for (std::int32_t b = 0; b < W::kDistinct; ++b) {
+      const std::int32_t window = W::kDistinctWindows[static_cast<std::size_t>(b)];
+      const std::int32_t p = pools_.pool_of_window(window);
+      StepBindings one = buffers_.pool_bindings(p);
+      one.masks = one.mask(b);  // this buffer's mask as buffer 0 of a one-window list
+      one.windows = 1;
+      WindowList list;
+      list.w[0] = window;
+      const std::int64_t read_len = p == 0 ? plan.read_len : plan.window_read_len[static_cast<std::size_t>(p - 1)];
+      if (const Status s = build_masks(one, list, width, read_len, stream); !s.ok()) return s;
+    }
+    return {};
   }
 
   const Host& host_;
-  KVPool<L, T> pool_;
+  PoolSet<L, T, W> pools_;
   StepBuffers buffers_;
   DeviceBuffer<bool> masks_;
   RowCopier copier_;
@@ -520,6 +585,7 @@ class DeviceShard {
   KernelChoice choice_ = KernelChoice::automatic;
   bool share_prefixes_ = true;
   SharingPlanner planner_;
+  std::vector<TableWrite> table_writes_;  // the upload's table writes, every pool's (gather_table_writes)
   bool uploaded_table_kernels_ = false;
   Event last_;  // the last upload or commit: the next upload waits on it
   std::uint64_t uploaded_serial_ = 0;

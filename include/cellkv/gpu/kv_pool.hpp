@@ -1,7 +1,8 @@
 // cellkv/gpu/kv_pool.hpp - every layer's K and V pool on the device, allocated once.
 //
 // Per layer, K and V are each [1, rows, H_kv, D] (BSHD) with rows = max_cells (cell layout) or
-// max_seqs * max_len (sequence layout). Storage holds one extra row per pool, row `rows`: the
+// max_seqs * max_len (sequence layout), or window_cells for a window pool (a cache with window
+// storage keeps one KVPool per pool: gpu/pool_set.hpp). Storage holds one extra row per pool, row `rows`: the
 // scratch row that padding tokens of a graph-width step write to; nothing ever reads it.
 // Addresses never change for the pool's life.
 //
@@ -58,7 +59,9 @@ class KVPool<L, T> {
   static std::int64_t rows_for(const CacheConfig& c) { return L::rows(c); }
 
   // Throws std::invalid_argument on a non-positive size and cellkv::gpu::Error when allocation fails.
-  KVPool(const CacheConfig& config, PoolShape shape) : shape_(shape), rows_(rows_for(config)) {
+  KVPool(const CacheConfig& config, PoolShape shape) : KVPool(rows_for(config), shape) {}
+  // A pool of `rows` rows per layer (a window pool: CacheConfig::window_cells).
+  KVPool(std::int64_t rows, PoolShape shape) : shape_(shape), rows_(rows) {
     if (shape.layers < 1 || shape.heads_kv < 1 || shape.head_dim < 1 || rows_ < 1)
       throw std::invalid_argument("cellkv::gpu::KVPool: layers, heads_kv, head_dim and rows must be positive");
     storage_ = DeviceBuffer<T>(static_cast<std::size_t>(pool_elems()) * 2 * static_cast<std::size_t>(shape.layers));
@@ -108,7 +111,8 @@ class KVPool<L, Fp8<In>> {
  public:
   static std::int64_t rows_for(const CacheConfig& c) { return L::rows(c); }
 
-  KVPool(const CacheConfig& config, PoolShape shape) : shape_(shape), rows_(rows_for(config)) {
+  KVPool(const CacheConfig& config, PoolShape shape) : KVPool(rows_for(config), shape) {}
+  KVPool(std::int64_t rows, PoolShape shape) : shape_(shape), rows_(rows) {
     if (shape.layers < 1 || shape.heads_kv < 1 || shape.head_dim < 1 || rows_ < 1)
       throw std::invalid_argument("cellkv::gpu::KVPool: layers, heads_kv, head_dim and rows must be positive");
     const auto layers2 = 2 * static_cast<std::size_t>(shape.layers);

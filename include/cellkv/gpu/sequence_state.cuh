@@ -43,6 +43,8 @@
 // step read before its cell was freed): the stream of the forwards, or one that waited on them.
 //
 // Refusals, each changing nothing (neither the host cache nor any pool):
+// - both: bad_argument for a cache with window storage (CacheConfig::window_cells > 0), as on the
+//   host: its layers' rows live in several pools, which the state format does not describe.
 // - save: bad_shape for a stream count other than the shard count (ShardedCache), then the host's
 //   (bad_sequence_id, sequence_not_live); rows_pending while the device does not yet hold the sequence's
 //   rows: a declared step with tokens of it is not committed, or copies or K re-rotations of its
@@ -315,6 +317,7 @@ template <class Cache, class Shard>
 Result<std::vector<std::byte>> save_slices(const Cache& cache, std::span<const StateSlice<Shard>> slices, std::int32_t id,
                                            const StateShape& shape, std::size_t budget) {
   const auto& host = cache.host();
+  if (has_window_storage(host)) return Errc::bad_argument;  // its layers' rows live in several pools
   const Result<std::vector<std::int32_t>> held = host.held_positions(id);
   if (!held.ok()) return held.status().code();
   const std::vector<std::int32_t>& positions = held.value();
@@ -344,6 +347,7 @@ Result<std::vector<std::byte>> save_slices(const Cache& cache, std::span<const S
 template <class Cache, class Shard>
 Result<std::int32_t> restore_slices(Cache& cache, std::span<const StateSlice<Shard>> slices, std::span<const std::byte> bytes,
                                     const StateShape& shape, std::size_t budget) {
+  if (has_window_storage(cache.host())) return Errc::bad_argument;  // its layers' rows live in several pools
   const Result<SavedState> parsed = parse_state_for(cache.host(), bytes, shape);
   if (!parsed.ok()) return parsed.status().code();
   const SavedState& s = parsed.value();
@@ -386,7 +390,7 @@ Result<std::vector<std::byte>> save_sequence(const DeviceCache<L, T, W, P, MaxSe
   using Cache = DeviceCache<L, T, W, P, MaxSeqs>;
   const detail::StateSlice<typename Cache::Shard> slice{&cache.shard(), -1, 0, stream};
   return detail::save_slices(cache, std::span(&slice, 1),
-                             id, device_state_shape<Cache, T>(cache.pool().shape(), dtype), staging_bytes);
+                             id, device_state_shape<Cache, T>(cache.pools().shape(), dtype), staging_bytes);
 }
 
 // A new sequence of a DeviceCache (lowest free id) holding the saved positions, each in a fresh
@@ -398,7 +402,7 @@ Result<std::int32_t> restore_sequence(DeviceCache<L, T, W, P, MaxSeqs>& cache, s
   using Cache = DeviceCache<L, T, W, P, MaxSeqs>;
   const detail::StateSlice<typename Cache::Shard> slice{&cache.shard(), -1, 0, stream};
   return detail::restore_slices(cache, std::span(&slice, 1), bytes,
-                                device_state_shape<Cache, T>(cache.pool().shape(), dtype), staging_bytes);
+                                device_state_shape<Cache, T>(cache.pools().shape(), dtype), staging_bytes);
 }
 
 // The same with the natural tag, state_dtype<T>().

@@ -17,6 +17,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
+#include <vector>
 
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/gpu/memory.hpp"
@@ -28,15 +30,23 @@
 
 namespace cellkv::gpu {
 
-// The device side of the step: the step block at a fixed address, the position table's device
-// copy (cell layout), and two pinned staging slots. Masks are owned by the shard (allocated on
-// first request).
+// A position table's geometry on the device: ints of its flat array, of its directory, and the
+// directory's row stride (PositionTable).
+struct TableGeometry {
+  std::int64_t entries = 0;
+  std::int64_t dir_entries = 0;
+  std::int32_t dir_stride = 0;
+};
+
+// The device side of the step: the step block at a fixed address, the position tables' device
+// copies (cell layout: the main pool's, then each window pool's, in one array), and two pinned
+// staging slots. Masks are owned by the shard (allocated on first request).
 class StepBuffers {
  public:
-  // table_entries: ints of the position table's flat array (0: sequence layout, no table).
-  StepBuffers(const StepBlockShape& shape, std::int64_t table_entries, std::int32_t dir_entries,
-              std::int32_t dir_stride)
-      : shape_(shape), layout_(shape), block_(layout_.bytes), table_(static_cast<std::size_t>(table_entries)) {
+  // tables: the main pool's table, then each window pool's (shape.window_pools of them); empty for
+  // the sequence layout (no table).
+  StepBuffers(const StepBlockShape& shape, std::span<const TableGeometry> tables)
+      : shape_(shape), layout_(shape), block_(layout_.bytes), table_(total_entries(tables)) {
     for (auto& s : slots_) {
       s.block = PinnedBuffer<std::byte>(block_.size());
       std::memset(s.block.data(), 0, s.block.bytes());
@@ -52,8 +62,14 @@ class StepBuffers {
     for (std::int32_t w = 0; w < shape.windows; ++w) b_.work[w] = layout_.work_at(base, w, shape.max_write);
     b_.ranges = shape.ranges ? reinterpret_cast<RowRange*>(base + layout_.ranges) : nullptr;
     b_.shared = layout_.shared_at(base, shape);
+    std::int64_t at = 0;
+    for (const TableGeometry& t : tables) {
+      table_offset_.push_back(static_cast<std::int32_t>(at));
+      table_views_.push_back(PositionTableView{table_.data() + at, table_.data() + at + t.dir_entries, t.dir_stride});
+      at += t.entries;
+    }
     b_.table_flat = table_.data();
-    b_.table = PositionTableView{table_.data(), table_.data() + dir_entries, dir_stride};
+    if (!tables.empty()) b_.table = table_views_[0];
     b_.max_write = shape.max_write;
     b_.windows = shape.windows;
     b_.fault = fault_.device_data();
@@ -64,6 +80,23 @@ class StepBuffers {
 
   [[nodiscard]] const StepBindings& bindings() const noexcept { return b_; }
   [[nodiscard]] StepBindings& bindings() noexcept { return b_; }
+  // The bindings of the layers of pool p (0: the main pool; 1 + i: window pool i): the main
+  // bindings with that pool's written rows, read_len and table, and no shared prefixes (window
+  // pools read their positions themselves: at most their window, docs/design.md).
+  [[nodiscard]] StepBindings pool_bindings(std::int32_t p) const noexcept {
+    if (p == 0) return b_;
+    StepBindings b = b_;
+    std::byte* base = block_.data();
+    b.cells = reinterpret_cast<std::int64_t*>(base + layout_.window_cells) + static_cast<std::int64_t>(p - 1) * shape_.max_write;
+    b.read_len = reinterpret_cast<std::int64_t*>(base + layout_.window_read_len) + (p - 1);
+    b.table = table_views_[static_cast<std::size_t>(p)];
+    b.shared = SharedWork{};
+    return b;
+  }
+  // Where pool p's table starts in the flat array that table writes index (TableWrite::index).
+  [[nodiscard]] std::int32_t table_offset(std::int32_t p) const noexcept {
+    return table_offset_[static_cast<std::size_t>(p)];
+  }
   [[nodiscard]] const StepBlockLayout& layout() const noexcept { return layout_; }
   [[nodiscard]] const StepBlockShape& shape() const noexcept { return shape_; }
   [[nodiscard]] std::byte* device_block() const noexcept { return block_.data(); }
@@ -110,7 +143,15 @@ class StepBuffers {
   StepBlockShape shape_;
   StepBlockLayout layout_;
   DeviceBuffer<std::byte> block_;
-  DeviceBuffer<std::int32_t> table_;  // the position table's device copy (cell layout)
+  static std::size_t total_entries(std::span<const TableGeometry> tables) {
+    std::int64_t n = 0;
+    for (const TableGeometry& t : tables) n += t.entries;
+    return static_cast<std::size_t>(n);
+  }
+
+  DeviceBuffer<std::int32_t> table_;  // the position tables' device copies (cell layout)
+  std::vector<std::int32_t> table_offset_;  // [pools] where each pool's table starts in table_
+  std::vector<PositionTableView> table_views_;  // [pools]
   Slot slots_[2];
   MappedBuffer<std::uint32_t> fault_{kFaultWords};  // the fault words
   int next_ = 0;
