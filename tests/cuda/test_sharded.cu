@@ -27,6 +27,10 @@ TEST_CASE("sharded cache, 2 shards on one GPU: step buffers, pools and attention
   sharded_buffers_equal_single<layout::sequence>({0, 0});
 }
 
+TEST_CASE("sharded cache, 2 shards on one GPU, window storage: step buffers, window pools and attention equal the single cache") {
+  sharded_buffers_equal_single<layout::cell>({0, 0}, 400);
+}
+
 TEST_CASE("sharded cache, 1 shard: the degenerate split equals the single cache") {
   sharded_buffers_equal_single<layout::cell>({0});
 }

@@ -50,11 +50,18 @@ std::vector<std::vector<std::byte>> step_buffers(const Shard& s, std::size_t tab
   return out;
 }
 
-// Ints of the host's position table (0: the sequence layout has none).
+// Ints of the host's position tables: the main one and with window storage each window pool's, as
+// the device keeps them in one array (0: the sequence layout has none).
 template <class Host>
 std::size_t table_entries(const Host& host) {
-  if constexpr (requires { host.table(); }) return host.table().flat().size();
-  else return 0;
+  if constexpr (requires { host.table(); }) {
+    std::size_t n = host.table().flat().size();
+    if (host.window_storage())
+      for (const std::int32_t w : Host::Windows::kWindowed) n += host.pool(w).table().flat().size();
+    return n;
+  } else {
+    return 0;
+  }
 }
 
 // One stream per shard, each created on its shard's device.
@@ -71,15 +78,16 @@ std::vector<std::unique_ptr<gpu::Stream>> shard_streams(const Sharded& cache) {
 // A single-device cache and a sharded one driven through the same random steps (new sequences,
 // forks, removals, padded widths): after every upload the shards' step buffers equal the single
 // cache's; each layer's shard attention equals the single attention's columns (bf16, table kernels
-// where it applies); at the end each shard's pool is the single pool's columns of its KV heads.
+// where it applies); at the end each shard's pools are the single pools' columns of its KV heads.
+// window_cells > 0 (cell layout): both caches keep the windowed layer in a window pool.
 template <class L>
-void sharded_buffers_equal_single(const std::vector<int>& devices) {
+void sharded_buffers_equal_single(const std::vector<int>& devices, std::int32_t window_cells = 0) {
   using T = __nv_bfloat16;
   using W = Windows<0, 5>;
   using Single = gpu::DeviceCache<L, T, W, placement::clustered<64>, 64>;
   using Sharded = gpu::ShardedCache<L, T, W, placement::clustered<64>, 64>;
   constexpr std::int32_t Hq = 8, Hkv = 4, D = 64;
-  const CacheConfig config{.max_write = 16, .max_cells = 640, .max_seqs = 8, .max_len = 80};
+  const CacheConfig config{.max_write = 16, .max_cells = 640, .max_seqs = 8, .max_len = 80, .window_cells = window_cells};
   const gpu::PoolShape shape{.layers = W::kLayers, .heads_kv = Hkv, .head_dim = D, .heads_q = Hq};
   Single single(config, shape);
   Sharded sharded(config, shape, devices);
@@ -152,13 +160,14 @@ void sharded_buffers_equal_single(const std::vector<int>& devices) {
     REQUIRE(sharded.commit(refs).ok());
   }
   // Pools: shard g's rows are the single pool's rows restricted to its KV heads.
-  const std::int64_t rows = single.pool().rows();
   for (std::int32_t layer = 0; layer < W::kLayers; ++layer) {
-    const auto view = single.pool().view(layer);
+    const auto view = single.view(layer);
+    const std::int64_t rows = view.rows;
     const auto k_all = bytes_at(view.k, static_cast<std::size_t>(rows * Hkv * D) * sizeof(T));
     for (std::int32_t g = 0; g < G; ++g) {
       const HeadShard heads = sharded.heads(g);
-      const auto sview = sharded.shard(g).pool().view(layer);
+      const auto sview = sharded.shard(g).view(layer);
+      CHECK(sview.rows == rows);
       CHECK(bytes_at(sview.k, static_cast<std::size_t>(rows * heads.kv.count * D) * sizeof(T)) ==
             columns(k_all, Hkv * D * sizeof(T), heads.kv.first * D * sizeof(T), heads.kv.count * D * sizeof(T)));
     }
