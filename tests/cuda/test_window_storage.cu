@@ -263,6 +263,59 @@ TEST_CASE("window storage on the device: the table kernels' outputs equal full s
   }
 }
 
+TEST_CASE("window storage on the device: a failed upload resumes its re-rotations after a new declaration") {
+  // Layer 0 reads the main pool, layer 1 a window pool of window 10. Positions 128, 129 move to
+  // 130, 131 (held in both pools): each pool lists 2 re-rotations. The upload rotates layer 0, then
+  // layer 1 refuses. The step is declared again with the 64 tokens of the failed one placed: the
+  // window pool would let go of page 2 (128..191) and with it its moved cells, which would change
+  // the pending re-rotations; it keeps the page while the device holds part of them, so the next
+  // upload resumes at layer 1 and layer 0 is not rotated twice.
+  using Cache = Cells<__nv_bfloat16, Windows<0, 10>, placement::lowest_free>;
+  Cache cache({.max_write = 64, .max_cells = 1024, .max_seqs = 8, .window_cells = 256},
+              {.layers = 2, .heads_kv = 2, .head_dim = 64, .heads_q = 4});
+  gpu::Stream stream;
+  std::vector<std::pair<std::int32_t, std::int32_t>> calls;  // (layer, count)
+  std::int32_t refuse_layer = -1;
+  REQUIRE(cache.set_key_rotation(gpu::KeyRotation<__nv_bfloat16>::custom(
+                                     [&](std::int32_t layer, const PoolView<__nv_bfloat16>& pool, const RowRotation*,
+                                         std::int32_t count, ::cuda::stream_ref) -> Status {
+                                       CHECK(pool.k == cache.view(layer).k);
+                                       calls.emplace_back(layer, count);
+                                       return layer == refuse_layer ? Status{Errc::bad_argument} : Status{};
+                                     }))
+              .ok());
+  const std::int32_t s = cache.seq_new().value();
+  for (const std::int32_t n : {64, 64, 12}) {
+    REQUIRE(cache.declare_step(std::vector<std::int32_t>(static_cast<std::size_t>(n), s)).ok());
+    REQUIRE(cache.upload(stream).ok());
+    REQUIRE(cache.commit(stream).ok());
+  }
+  REQUIRE(cache.seq_rm(s, 130, 132).ok());
+  REQUIRE(cache.seq_add(s, 128, 130, 2).ok());
+  REQUIRE(cache.host().pool(10).pending_changes().rotations.size() == 2);
+  REQUIRE(cache.host().pending_changes().rotations.size() == 2);
+  REQUIRE(cache.declare_step(std::vector<std::int32_t>(64, s)).ok());
+  refuse_layer = 1;
+  CHECK(cache.upload(stream) == Errc::bad_argument);
+  CHECK(calls == std::vector<std::pair<std::int32_t, std::int32_t>>{{0, 2}, {1, 2}});
+  CHECK(cache.holds_applied_changes());
+  const std::uint64_t epoch = cache.host().changes_epoch();
+  REQUIRE(cache.declare_step(std::vector<std::int32_t>{s}).ok());  // at 204 the window sees from 195
+  CHECK(cache.host().changes_epoch() == epoch);
+  CHECK(cache.host().pool(10).pending_changes().rotations.size() == 2);
+  CHECK(cache.host().pool(10).cell_of(s, 130) >= 0);  // page 2 kept for now
+  refuse_layer = -1;
+  calls.clear();
+  REQUIRE(cache.upload(stream).ok());
+  CHECK(calls == std::vector<std::pair<std::int32_t, std::int32_t>>{{1, 2}});  // layer 0 is not rotated twice
+  REQUIRE(cache.commit(stream).ok());
+  // Acknowledged at the next verb; then the page goes with the next step's drops.
+  REQUIRE(cache.declare_step(std::vector<std::int32_t>{s}).ok());
+  CHECK_FALSE(cache.holds_applied_changes());
+  CHECK(cache.host().pool(10).cell_of(s, 130) < 0);
+  require_device_ok();
+}
+
 TEST_CASE("window storage on the device: the pools allocated are the footprint's, window-sized") {
   using Cache = Cells<__nv_bfloat16, TwoPools>;
   const gpu::PoolShape shape{.layers = TwoPools::kLayers, .heads_kv = 2, .head_dim = 128, .heads_q = 8};

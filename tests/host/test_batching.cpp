@@ -569,6 +569,50 @@ TEST_CASE("session table: with window storage, a clone of a source past its wind
   check_positions(cache, table);
 }
 
+namespace {
+// A cell cache with window storage whose seq_clone can be made to refuse (out_of_pages).
+using WindowCells = CellCache<Windows<0, 8>>;
+struct RefusingClones {
+  WindowCells cache{CacheConfig{.max_write = 4, .max_cells = 1000, .max_seqs = 4, .window_cells = 4 * (8 + 64 + 4)}};
+  bool refuse = false;
+  Result<std::int32_t> seq_new() { return cache.seq_new(); }
+  Result<std::int32_t> seq_clone(std::int32_t src, std::int32_t upto = -1) {
+    if (refuse) return Errc::out_of_pages;
+    return cache.seq_clone(src, upto);
+  }
+  Status seq_rm(std::int32_t id) { return cache.seq_rm(id); }
+  Status rewind(std::int32_t id, std::int32_t pos) { return cache.rewind(id, pos); }
+  const WindowCells& host() const { return cache; }
+};
+}  // namespace
+
+TEST_CASE("session table: with window storage, a sample whose leader went past its window feeds the prompt itself") {
+  RefusingClones wrapper;
+  SessionTable<RefusingClones> table(wrapper, {.max_write = 4, .min_prefill_tokens = 2, .max_tokens_per_session = 300});
+  wrapper.refuse = true;  // the samples' first clones are refused: they wait while the leader generates
+  const std::vector<SessionId> ids = table.add_samples(iota_tokens(1, 6), 200, {}, 2).value();
+  const SessionId leader = ids[0], sample = ids[1];
+  auto step = [&] {
+    auto batch = table.next_step();
+    REQUIRE(batch.ok());
+    REQUIRE(wrapper.cache.declare_step(batch.value().seqs).ok());
+    const auto rows = std::count_if(batch.value().logit_rows.begin(), batch.value().logit_rows.end(),
+                                    [](const LogitRow& l) { return l.samples; });
+    REQUIRE(table.accept(Tokens(static_cast<std::size_t>(rows), 7)).ok());
+  };
+  while (table.cached_tokens(leader).value() < 140) step();  // past two pages of window 8
+  CHECK(table.cached_tokens(sample).value() == 0);
+  wrapper.refuse = false;  // every clone of the leader's prompt is now window_evicted
+  REQUIRE(wrapper.cache.seq_clone(table.sequence_of(leader).value(), 5).status() == Errc::window_evicted);
+  for (int i = 0; i < 4; ++i) step();
+  CHECK(table.cached_tokens(sample).value() >= 6);  // it fed the whole prompt itself, from position 0
+  for (int i = 0; i < 600 && !(table.state(leader).value() == SessionState::done &&
+                                table.state(sample).value() == SessionState::done); ++i)
+    step();
+  CHECK(table.state(leader).value() == SessionState::done);  // no sample waits for it any more
+  CHECK(table.state(sample).value() == SessionState::done);
+}
+
 TEST_CASE("session table: a clone on the sequence layout copies the shared prefix") {
   Slots cache({.max_write = 8, .max_seqs = 4, .max_len = 16});
   SlotTable table(cache, {.max_write = 4, .min_prefill_tokens = 2, .max_tokens_per_session = 16});

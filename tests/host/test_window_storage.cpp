@@ -103,6 +103,51 @@ TEST_CASE("window storage: a sequence lets go of whole pages that its next token
   CHECK(c.read_len(0) == plan.read_len);
 }
 
+TEST_CASE("window storage: with keep_pending_pages, a page holding a cell whose K re-rotation is pending stays") {
+  // A device cache turns keep_pending_pages on while a device holds part of the pending changes (a
+  // failed upload it resumes at the next one): declare_step may run then, and its drops must leave
+  // the pending re-rotations as they were.
+  Cache c({.max_write = 64, .max_cells = 1024, .max_seqs = 4, .window_cells = 256});
+  const std::int32_t s = c.seq_new().value();
+  for (std::int32_t n : {64, 64, 12}) {
+    REQUIRE(c.declare_step(tokens(s, n)).ok());
+    c.acknowledge_changes();
+  }
+  CHECK(window_held(c, s).front() == 64);  // 140 positions: page 0 dropped, 64..139 held
+  // Positions 128, 129 move down to 98, 99 (opened first): their window-pool cells re-rotate. The
+  // removal lets go of 64..89 (no re-rotation pending yet); the page the move fills again stays.
+  REQUIRE(c.seq_rm(s, 90, 100).ok());
+  SUBCASE("off (the default): the edit lets go of the moved cells below the window at once") {
+    REQUIRE(c.seq_add(s, 128, 130, -30).ok());
+    CHECK(window_held(c, s).front() == 130);
+    CHECK(c.pool(10).pending_changes().rotations.empty());
+  }
+  SUBCASE("on: the page stays, and a declared step changes no pending re-rotation") {
+    c.keep_pending_pages(true);
+    REQUIRE(c.seq_add(s, 128, 130, -30).ok());
+    CHECK(window_held(c, s).front() == 98);
+    const std::vector<RowRotation> pending(c.pool(10).pending_changes().rotations.begin(),
+                                           c.pool(10).pending_changes().rotations.end());
+    REQUIRE(pending.size() == 2);
+    const std::uint64_t epoch = c.changes_epoch();
+    REQUIRE(c.declare_step(tokens(s, 1)).ok());  // at 140 it sees from 131: page 1 lies below
+    CHECK(c.changes_epoch() == epoch);
+    const auto now = c.pool(10).pending_changes().rotations;
+    REQUIRE(now.size() == pending.size());
+    for (std::size_t i = 0; i < now.size(); ++i) {
+      CHECK(now[i].cell == pending[i].cell);
+      CHECK(now[i].old_pos == pending[i].old_pos);
+      CHECK(now[i].new_pos == pending[i].new_pos);
+    }
+    CHECK(window_held(c, s).front() == 98);
+    // Once the changes are acknowledged and the guard is off, the next drop lets the page go.
+    c.acknowledge_changes();
+    c.keep_pending_pages(false);
+    REQUIRE(c.declare_step(tokens(s, 1)).ok());
+    CHECK(window_held(c, s).front() == 130);
+  }
+}
+
 TEST_CASE("window storage: forks keep a shared page while any owner still sees it") {
   Cache c({.max_write = 64, .max_cells = 1024, .max_seqs = 4, .window_cells = 512});
   const std::int32_t a = c.seq_new().value();

@@ -935,7 +935,9 @@ class SessionTable {
   // leader's cells: its reserved, empty sequence is removed, then replaced by a clone of the
   // leader's positions < prompt.size() - 1 (the leader's sequence holds at least the prompt tokens
   // it fed). The freed id leaves the clone a sequence; a cache that refuses the clone anyway gets
-  // the reservation back and the sample waits another step.
+  // the reservation back and the sample waits another step, unless the refusal is window_evicted
+  // (window storage: the leader generated past its window, and no later clone could share the
+  // prompt either): then the sample stops waiting and feeds the whole prompt itself.
   void adopt_waiting_samples() {
     for (Session& s : sessions_) {
       if (s.leader == 0) continue;
@@ -946,6 +948,10 @@ class SessionTable {
       const Result<std::int32_t> seq = cache_->seq_clone(leader.seq, shared);
       if (!seq.ok()) {
         s.seq = reserve_again();
+        if (seq.status() == Errc::window_evicted) {
+          s.leader = 0;
+          --leader.waiting;
+        }
         continue;
       }
       s.seq = seq.value();

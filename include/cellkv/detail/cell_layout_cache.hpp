@@ -101,6 +101,13 @@ class KVCache<layout::cell, W, P, MaxSeqs>
   }
 
   // ---- window storage ----
+  // While on, window pools keep the pages of cells whose K re-rotation is pending instead of
+  // letting them go below the window (CellPool::keep_pending_pages): a drop then changes no pending
+  // change. A device cache turns it on for declare_step and seq_cp while a device holds part of
+  // the pending changes (a failed upload it resumes); off by default.
+  void keep_pending_pages(bool on) noexcept {
+    for (Pool& w : windows_) w.keep_pending_pages(on);
+  }
   // Whether windowed layers keep their own pools (CacheConfig::window_cells > 0).
   [[nodiscard]] bool window_storage() const noexcept { return !windows_.empty(); }
   // The pool the layers of window `window` read and write: its own with window storage and

@@ -154,7 +154,7 @@ class CellPool {
     for (const std::int32_t s : seqs) {
       if (seen.test(s)) continue;
       seen.set(s);
-      const std::int32_t end = cut_of(s);
+      const std::int32_t end = drop_stop(s, cut_of(s));
       for (std::int32_t k = dropped_below_[static_cast<std::size_t>(s)]; k < end; ++k)
         table_.for_each_cell(s, k * kPagePositions, (k + 1) * kPagePositions, [&](std::int32_t c) { cells.push_back(c); });
     }
@@ -168,12 +168,33 @@ class CellPool {
     }
     return freed;
   }
-  // Lets go of seq's pages below page k_end (positions below 64 k_end; 64 k_end <= len(seq) - 1).
+  // Lets go of seq's pages below page k_end (positions below 64 k_end; 64 k_end <= len(seq) - 1),
+  // up to drop_stop: never of a cell whose K re-rotation is pending.
   void drop_below(std::int32_t seq, std::int32_t k_end) {
     std::int32_t& done = dropped_below_[static_cast<std::size_t>(seq)];
+    k_end = drop_stop(seq, k_end);
     if (k_end <= done) return;
     table_.drop_pages(seq, done, k_end, [&](std::int32_t c) { release(c, seq); });
     done = k_end;
+  }
+
+  // While on (keep_pending_pages), drops stop at the first page holding a cell whose K re-rotation
+  // is pending: letting go of that cell would change the pending rotations, which a device has
+  // applied in part when an upload failed and resumes at the next one (gpu/planning_verbs.hpp turns
+  // it on for declare_step and seq_cp while a device holds part of the changes). Off by default.
+  void keep_pending_pages(bool on) noexcept { keep_pending_ = on; }
+
+  // The first of seq's pages in [its drop mark, k_end) that holds a cell whose K re-rotation is
+  // pending when keep_pending_pages is on, else k_end: drops stop there.
+  [[nodiscard]] std::int32_t drop_stop(std::int32_t seq, std::int32_t k_end) const {
+    if (!keep_pending_ || rotations_.empty()) return k_end;
+    for (std::int32_t k = dropped_below_[static_cast<std::size_t>(seq)]; k < k_end; ++k) {
+      bool pending = false;
+      table_.for_each_cell(seq, k * kPagePositions, (k + 1) * kPagePositions,
+                           [&](std::int32_t c) { pending = pending || rotation_at_[static_cast<std::size_t>(c)] >= 0; });
+      if (pending) return k;
+    }
+    return k_end;
   }
 
   // ---- whole sequences ----
@@ -441,6 +462,7 @@ class CellPool {
   std::vector<RowRotation> rotations_;                // re-rotations not yet acknowledged
   std::vector<std::int32_t> rotation_at_;             // [cells] index into rotations_, -1 = none
   std::vector<std::int32_t> dropped_below_;           // [MaxSeqs] drop_below's mark: no held page below
+  bool keep_pending_ = false;                         // keep_pending_pages
 };
 
 }  // namespace cellkv::detail

@@ -22,11 +22,11 @@ class PlanningVerbs {
   [[nodiscard]] const Host& host() const noexcept { return host_; }
 
   Result<StepPlan> declare_step(std::span<const std::int32_t> seq_ids) {
-    owner().before_planning();
+    prepare_planning();
     return host_.declare_step(seq_ids);
   }
   Result<std::int32_t> seq_new() {
-    owner().before_planning();
+    prepare_planning();
     return host_.seq_new();
   }
   // The verbs below that can change the pending copies or re-rotations (clone, removals,
@@ -46,7 +46,7 @@ class PlanningVerbs {
     return host_.rewind(id, pos);
   }
   void clear() {
-    owner().before_planning();
+    prepare_planning();
     host_.clear();
   }
 
@@ -58,7 +58,7 @@ class PlanningVerbs {
     return host_.seq_rm(id, p0, p1);
   }
   Status seq_cp(std::int32_t src, std::int32_t dst, std::int32_t p0, std::int32_t p1) {
-    owner().before_planning();
+    prepare_planning();
     return host_.seq_cp(src, dst, p0, p1);
   }
   Status seq_keep(std::int32_t id) {
@@ -78,7 +78,7 @@ class PlanningVerbs {
   // A new sequence holding exactly `positions`, in fresh rows the caller fills (the device
   // restore of gpu/sequence_state.cuh does); the host cache's refusals.
   Result<std::int32_t> restore_positions(std::span<const std::int32_t> positions) {
-    owner().before_planning();
+    prepare_planning();
     return host_.restore_positions(positions);
   }
 
@@ -96,9 +96,18 @@ class PlanningVerbs {
  private:
   Owner& owner() noexcept { return static_cast<Owner&>(*this); }
 
-  // before_planning, then upload_incomplete while a device holds part of the pending changes.
-  Status begin_changes() {
+  // before_planning; then, with window storage, the host's window pools keep the pages of cells
+  // whose K re-rotation is pending while a device holds part of the pending changes: declare_step
+  // and seq_cp run then (a failed upload resumes at the next one) and their drops must not change
+  // what the device resumes (detail/cell_pool.hpp, keep_pending_pages).
+  void prepare_planning() {
     owner().before_planning();
+    if constexpr (requires { host_.keep_pending_pages(true); }) host_.keep_pending_pages(owner().holds_applied_changes());
+  }
+
+  // prepare_planning, then upload_incomplete while a device holds part of the pending changes.
+  Status begin_changes() {
+    prepare_planning();
     return owner().holds_applied_changes() ? Status{Errc::upload_incomplete} : Status{};
   }
 };
