@@ -366,7 +366,7 @@ TEST_CASE("window storage on the device: refusals change nothing") {
     REQUIRE(cache.declare_step(std::vector<std::int32_t>(32, s)).ok());
     REQUIRE(cache.upload(stream).ok());
     REQUIRE(cache.commit(stream).ok());
-    for (int i = 0; i < 4; ++i) {  // 8 + 5 x 32 = 168 positions: window 16 keeps from page 2 on
+    for (int i = 0; i < 4; ++i) {  // 8 + 5 x 32 = 168 positions: page 0 let go
       REQUIRE(cache.declare_step(std::vector<std::int32_t>(32, s)).ok());
       REQUIRE(cache.upload(stream).ok());
       REQUIRE(cache.commit(stream).ok());

@@ -549,7 +549,7 @@ TEST_CASE("session table: with window storage, a clone of a source past its wind
   while (table.cached_tokens(a).value() < 140) step();  // the window pool let go of positions 0..127
   const std::int32_t as = table.sequence_of(a).value();
   REQUIRE(cache.seq_clone(as, 5).status() == Errc::window_evicted);  // what a shared prefix would need
-  const std::int32_t free_before = cache.free_cells();
+  const auto free_before = cache.free_cells();
 
   const SessionId c = table.clone(a, 3).value();
   const std::int32_t cs = table.sequence_of(c).value();

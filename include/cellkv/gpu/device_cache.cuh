@@ -1,6 +1,7 @@
 // cellkv/gpu/device_cache.cuh - the cache on one GPU: the host KVCache with its planning verbs
-// (PlanningVerbs) and one DeviceShard holding every head (the KV pool of every layer, the step
-// buffers at fixed addresses), whose device verbs it is: nothing is forwarded twice.
+// (PlanningVerbs) and one DeviceShard holding every head (the KV pools of every layer, one per
+// pool of the host cache with window storage; the step buffers at fixed addresses), whose device
+// verbs it is: nothing is forwarded twice.
 //
 // Step protocol (docs/design.md section 4) on the caller's stream:
 //   cache.declare_step(seq_ids);                  // host: admission + placement
@@ -9,7 +10,7 @@
 //   cache.commit(stream);                         // records the step's event
 // A forward captured into a CUDA graph reads only the fixed buffers, so a graph captured once
 // replays for any later step uploaded with the same width (pad narrower steps: upload(stream, width)).
-// Padding tokens write to the pool's scratch row and see nothing.
+// Padding tokens write to each pool's scratch row and see nothing.
 //
 // Streams: each upload first waits on the previous upload or commit, so a step on another stream
 // is ordered after the last one. The destructor waits on the cache's own events only; it never
@@ -28,7 +29,7 @@ namespace cellkv::gpu {
 
 // Planning verbs (declare_step, seq_new, seq_clone, seq_rm, rewind, clear, the sequence edits,
 // restore_positions, host()) from PlanningVerbs; device verbs and state (upload, write, attend,
-// update_and_attend, commit, set_key_rotation, holds_applied_changes, pool(), bindings(), mask(),
+// update_and_attend, commit, set_key_rotation, holds_applied_changes, pool(), pools(), view(), bindings(), mask(),
 // width(), runs_table_kernels(), use_kernels(), share_prefixes(), set_graph_scope(),
 // step_kernels(), graph_key(), work_counts(), footprint()) from DeviceShard.
 template <Layout L, KvElement T, WindowSet W, PlacementFor<L> P = typename L::default_placement, std::int32_t MaxSeqs = 256>

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cassert>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -82,8 +83,6 @@ class DeviceShard {
   // footprint passes the free memory, cellkv::gpu::Error on a CUDA failure.
   DeviceShard(const Host& host, PoolShape shape)
       : host_(host), pools_(config_that_fits(host.config(), shape), shape), buffers_(make_buffers(host, shape)) {
-    if (shape.layers != W::kLayers)
-      throw std::invalid_argument("cellkv::gpu::DeviceShard: the pool needs one layer per layer of the window set");
     if (kTable) buffers_.bindings().max_cells = host.config().max_cells;
     if constexpr (kTableKernelElement<T>)
       if (table_kernels_support<T>(shape.head_dim, shape.heads_q, shape.heads_kv))
@@ -101,8 +100,12 @@ class DeviceShard {
   }
 
   // The main pool: every layer's, or with window storage the full-attention layers' (precondition
-  // then: the set has one). pools() holds every pool; view(layer) is a layer's K and V.
-  [[nodiscard]] const KVPool<L, T>& pool() const noexcept { return *pools_.pool(0); }
+  // then: the set has one; an fp8 pool's fp8_config() lists those layers' static scales). pools()
+  // holds every pool; view(layer) is a layer's K and V.
+  [[nodiscard]] const KVPool<L, T>& pool() const noexcept {
+    assert(pools_.pool(0) != nullptr && "cellkv::gpu::DeviceShard::pool(): every layer is windowed; use view(layer)");
+    return *pools_.pool(0);
+  }
   [[nodiscard]] const PoolSet<L, T, W>& pools() const noexcept { return pools_; }
   [[nodiscard]] auto view(std::int32_t layer) const noexcept { return pools_.view(layer); }
   [[nodiscard]] const StepBindings& bindings() const noexcept { return buffers_.bindings(); }
@@ -301,6 +304,8 @@ class DeviceShard {
  private:
   // `config`, once this shard's footprint is known to fit the current device's free memory.
   static const CacheConfig& config_that_fits(const CacheConfig& config, const PoolShape& shape) {
+    if (shape.layers != W::kLayers)
+      throw std::invalid_argument("cellkv::gpu::DeviceShard: the pool needs one layer per layer of the window set");
     const Result<Footprint> f = footprint(config, shape);
     if (!f.ok())
       throw std::invalid_argument(std::string("cellkv::gpu::DeviceShard: ") + std::string(f.status().message()));

@@ -15,6 +15,9 @@
 //   masks      bool [windows][max_write][max_cells] mask_w{W} = masks + buffer * max_write * max_cells
 //   fault      uint32 [kFaultWords], mapped host memory: word i holds the faults of reporter i
 //              (kFault* bits, set by device code; step_buffers.hpp)
+// With window storage, the layers of a window pool get the same bindings with that pool's cells,
+// read_len and table (StepBuffers::pool_bindings; the step block's window_cells, window_read_len)
+// and no shared prefixes.
 #pragma once
 
 #include <cstdint>
