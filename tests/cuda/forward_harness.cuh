@@ -136,7 +136,7 @@ class ForwardHarness {
     const auto& host = cache_.host();
     for (std::int32_t l = 0; l < W::kLayers; ++l) {
       const std::int32_t w = W::window_of_layer(l);
-      const PendingChanges c = has_window_storage(host) && w > 0 ? host.pool(w).pending_changes() : host.pending_changes();
+      const PendingChanges c = host.pool(w).pending_changes();  // the main pool's for window 0 or full storage
       for (const RowCopy& copy : c.copies) copy_rows(l, copy);
       if (spec != nullptr) rerotate_keys<double>(host_pool(l), c.rotations, *spec);
     }

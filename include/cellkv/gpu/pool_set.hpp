@@ -7,8 +7,6 @@
 // pool's; view(layer) is the layer's K and V wherever it lives.
 #pragma once
 
-#include <cuda/stream_ref>
-
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -32,7 +30,7 @@ class PoolSet {
     const std::int32_t pools = windowed ? 1 + W::kWindowedCount : 1;
     std::vector<std::int32_t> layers(static_cast<std::size_t>(pools), 0);
     for (std::int32_t l = 0; l < W::kLayers; ++l) {
-      const std::int32_t p = windowed ? 1 + W::windowed_index(W::window_of_layer(l)) : 0;  // -1 + 1: window 0
+      const std::int32_t p = pool_index(windowed, W::window_of_layer(l));
       pool_of_[static_cast<std::size_t>(l)] = p;
       local_[static_cast<std::size_t>(l)] = layers[static_cast<std::size_t>(p)]++;
     }
@@ -60,15 +58,9 @@ class PoolSet {
   }
   // The pool of the layers of window `window` (0 for full attention, and for every window without
   // window storage).
-  [[nodiscard]] std::int32_t pool_of_window(std::int32_t window) const noexcept {
-    return count() == 1 ? 0 : 1 + W::windowed_index(window);
-  }
-  [[nodiscard]] const Pool& of_layer(std::int32_t layer) const noexcept { return *pool(pool_of(layer)); }
+  [[nodiscard]] std::int32_t pool_of_window(std::int32_t window) const noexcept { return pool_index(count() > 1, window); }
   [[nodiscard]] auto view(std::int32_t layer) const noexcept {
-    return of_layer(layer).view(local_[static_cast<std::size_t>(layer)]);
-  }
-  [[nodiscard]] std::int64_t row_elems() const noexcept {
-    return static_cast<std::int64_t>(shape_.heads_kv) * shape_.head_dim;
+    return pool(pool_of(layer))->view(local_[static_cast<std::size_t>(layer)]);
   }
 
   // fp8 pools: the scaling of later writes, every layer's (a static config lists W::kLayers
@@ -90,6 +82,11 @@ class PoolSet {
   }
 
  private:
+  // Pool of the layers of `window`: 0 without window storage or for window 0 (windowed_index -1).
+  static constexpr std::int32_t pool_index(bool windowed, std::int32_t window) noexcept {
+    return windowed ? 1 + W::windowed_index(window) : 0;
+  }
+
   PoolShape shape_;
   std::vector<std::unique_ptr<Pool>> pools_;
   std::array<std::int32_t, static_cast<std::size_t>(W::kLayers)> pool_of_{}, local_{};
