@@ -121,11 +121,15 @@ constexpr std::int64_t max_prefill_items(std::int32_t max_write, std::int32_t gr
 // Plans one window's work from the step's segments: prefill items of shape.prefill_rows rows (a
 // smaller value than kMinPrefillRows plans items of kMinPrefillRows, so they fit max_prefill_items).
 // own_begin: per segment, the first position it reads itself (nullptr: 0 for every segment).
+// finished: per segment, nonzero when the shared-prefix kernel finishes it (prefix_sharing.hpp;
+// empty: none): such a segment is no decode work here.
 inline void plan_window(std::span<const Segment> segments, const std::int32_t* own_begin, std::int32_t window,
-                        const AttentionShape& shape, const WindowWork& out) {
+                        const AttentionShape& shape, const WindowWork& out,
+                        std::span<const std::uint8_t> finished = {}) {
   std::int32_t decode = 0, prefill = 0, tiles = 0, longest = 0;
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const Segment& s = segments[i];
+    if (i < finished.size() && finished[i] != 0) continue;
     if (is_decode(s, shape.group)) {
       out.decode_seg[decode] = static_cast<std::int32_t>(i);
       out.decode_prefix[decode++] = tiles;

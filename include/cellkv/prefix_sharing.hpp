@@ -17,6 +17,13 @@
 // into its output by log-sum-exp (the split-KV merge), so no kernel merges the splits before.
 // Nothing here depends on where cells are or on windows.
 //
+// Finished tokens: where the shared-prefix kernel that runs offers it (SharingShape::finish_own),
+// a decode segment whose own positions are at most that many is finished by the shared-prefix
+// kernel itself, not by the decode kernel: its tokens are listed in `finished`, each gets one more
+// slot, the last of its range, for the part it reads itself, and the kernel, once every item of
+// the step is done, folds every slot of those tokens into their outputs (fused_finish.cuh). A
+// fork decoding one token then costs one kernel, not two.
+//
 // This header holds the plan's data (fixed-capacity arrays in device or staging memory);
 // sharing_planner.hpp makes it.
 #pragma once
@@ -59,6 +66,16 @@ struct SharedItem {
   std::int32_t hi = 0;
 };
 
+// A step token the shared-prefix kernel finishes: its position and sequence, and the first position
+// it reads itself (its segment's own_begin). Its own part goes to slot first + count - 1 of its
+// token_slots.
+struct FinishedToken {
+  std::int32_t token = 0;
+  std::int32_t seq = 0;
+  std::int32_t pos = 0;
+  std::int32_t own_begin = 0;
+};
+
 // A token's partial slots: [first, first + count).
 struct SlotRange {
   std::int32_t first = 0;
@@ -67,17 +84,20 @@ struct SlotRange {
 
 // The sharing of one step, in fixed-capacity arrays.
 struct SharedWork {
-  std::int32_t* counts = nullptr;      // [3]: runs, items, run tokens
+  std::int32_t* counts = nullptr;      // [4]: runs, items, run tokens, finished tokens
   SharedRun* runs = nullptr;           // [max_runs]
   std::int32_t* run_tokens = nullptr;  // [slots] the member tokens of every run, run by run
   std::int32_t* run_slot = nullptr;    // [slots] slot of split 0 of that token in that run (split k: + k)
   SharedItem* items = nullptr;         // [slots]
   std::int32_t* own_begin = nullptr;   // [max_write] per segment: first position it reads itself
   SlotRange* token_slots = nullptr;    // [max_write] per step token: its slots, every split of every run
+                                       // (and last, a finished token's own part)
+  FinishedToken* finished = nullptr;   // [max_write] the tokens the shared-prefix kernel finishes
 
   CELLKV_HOST_DEVICE std::int32_t run_count() const noexcept { return counts[0]; }
   CELLKV_HOST_DEVICE std::int32_t item_count() const noexcept { return counts[1]; }
   CELLKV_HOST_DEVICE std::int32_t run_token_count() const noexcept { return counts[2]; }
+  CELLKV_HOST_DEVICE std::int32_t finished_count() const noexcept { return counts[3]; }
 };
 
 // Capacities and the kernel geometry the plan depends on.
@@ -89,7 +109,16 @@ struct SharingShape {
   std::int32_t slots = 0;      // capacity of partial slots, run tokens and items
   std::int32_t rows = kSharedRows;  // query rows of an item (one block of the kernel that runs)
   std::int32_t split_unit = 1;      // tiles a split boundary aligns to (2: the wgmma kernel's 128 positions)
+  // Own positions of a decode segment the shared-prefix kernel finishes, at most (0: it finishes
+  // none; at most kMaxFinishOwn).
+  std::int32_t finish_own = 0;
+  // Finished rows (tokens x H_q) a step may hold, at most: when its qualifying segments have more,
+  // none is finished (the decode kernel then serves them all, faster than a finish spread too thin).
+  std::int32_t finish_rows = 0;
 };
+
+// The most own positions a finished token may read (one per lane of the warp that reads them).
+inline constexpr std::int32_t kMaxFinishOwn = 32;
 
 // The KV tiles (kSharedTile positions) [first, first + count) of split `k` of a run: the run's tiles
 // in `unit`-tile blocks aligned to tile 0 (the first and last block cut to the run), split k taking

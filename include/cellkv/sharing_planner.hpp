@@ -6,7 +6,9 @@
 // queries start in that page leaves it). Runs come out parent before child. Splits are chosen so
 // the shared kernel's items fill its grid; when the runs need more slots or items than the step
 // block holds, splits fall to one and then the last (deepest) runs are dropped: their members
-// read those positions themselves, so the plan is always complete.
+// read those positions themselves, so the plan is always complete. Then, where the kernel offers
+// it (SharingShape::finish_own), the decode segments of kept runs with few own positions become
+// finished segments (prefix_sharing.hpp), while the slots last.
 #pragma once
 
 #include <algorithm>
@@ -24,7 +26,8 @@ namespace cellkv {
 class SharingPlanner {
  public:
   // segments: the step's; table: the host position table after placement. Writes `out` (with
-  // own_begin 0 and no slots for every segment and token outside a run).
+  // own_begin 0 and no slots for every segment and token outside a run; out.finished may be null
+  // when shape.finish_own is 0).
   void plan(std::span<const Segment> segments, const PositionTable& table, const SharingShape& shape,
             const SharedWork& out) {
     segments_ = segments;
@@ -38,8 +41,13 @@ class SharingPlanner {
         candidates.push_back(static_cast<std::int32_t>(i));
     if (candidates.size() > 1) split(candidates, 0, out);
     choose_splits(shape, out);
+    choose_finished(shape, out);
     write(shape, out);
   }
+
+  // Per segment of the last plan: 1 when the shared-prefix kernel finishes it (its tokens are not
+  // decode work: plan_window skips them).
+  [[nodiscard]] std::span<const std::uint8_t> finished_segments() const noexcept { return finished_; }
 
  private:
   struct Run {
@@ -100,9 +108,14 @@ class SharingPlanner {
     const std::int64_t want = blocks == 0 ? 1 : std::max<std::int64_t>(1, shape.workers / (blocks * shape.heads_kv));
     // At most tiles / kMinSplitTiles splits, so at most as many as the run has split_unit blocks
     // (split_unit <= kMinSplitTiles, table_attention.cuh asserts it): every split is non-empty.
-    for (Run& r : runs_)
-      r.splits = static_cast<std::int32_t>(std::clamp<std::int64_t>(
-          std::min<std::int64_t>(want, (r.end_page - r.begin_page) / kMinSplitTiles), 1, kMaxSplits));
+    // Fewer where the slots would not leave room for the own slots of the segments to finish.
+    const std::int64_t reserve = finishable_tokens(shape, out);
+    for (std::int64_t splits = std::min<std::int64_t>(want, kMaxSplits);; --splits) {
+      for (Run& r : runs_)
+        r.splits = static_cast<std::int32_t>(std::clamp<std::int64_t>(
+            std::min<std::int64_t>(splits, (r.end_page - r.begin_page) / kMinSplitTiles), 1, kMaxSplits));
+      if (splits <= 1 || fits(shape, reserve)) break;
+    }
     if (!fits(shape))
       for (Run& r : runs_) r.splits = 1;
     while (!runs_.empty() && (!fits(shape) || static_cast<std::int32_t>(runs_.size()) > shape.max_runs)) {
@@ -114,24 +127,63 @@ class SharingPlanner {
       runs_.pop_back();
     }
   }
-  [[nodiscard]] bool fits(const SharingShape& shape) const {
-    std::int64_t slots = 0, items = 0;
-    for (const Run& r : runs_) {
-      const std::int64_t tokens = tokens_of(r);
-      slots += tokens * r.splits;
-      items += (tokens * shape.group + shape.rows - 1) / shape.rows * r.splits;
+  // Whether the runs' slots and `reserve` more, and their items, fit the step block.
+  [[nodiscard]] bool fits(const SharingShape& shape, std::int64_t reserve = 0) const {
+    std::int64_t items = 0;
+    for (const Run& r : runs_) items += (tokens_of(r) * shape.group + shape.rows - 1) / shape.rows * r.splits;
+    return run_slots() + reserve <= shape.slots && items <= shape.slots;
+  }
+  [[nodiscard]] std::int64_t run_slots() const {
+    std::int64_t slots = 0;
+    for (const Run& r : runs_) slots += tokens_of(r) * r.splits;
+    return slots;
+  }
+
+  // Whether segment i may be finished: a decode segment of a run (own_begin > 0) reading at most
+  // shape.finish_own positions itself.
+  [[nodiscard]] bool finishable(std::size_t i, const SharingShape& shape, const SharedWork& out) const {
+    const Segment& s = segments_[i];
+    const std::int32_t own = s.pos0 + s.len - out.own_begin[i];  // positions [own_begin, last query]
+    return out.finished != nullptr && is_decode(s, shape.group) && out.own_begin[i] > 0 &&
+           own <= std::min(shape.finish_own, kMaxFinishOwn);
+  }
+  [[nodiscard]] std::int64_t finishable_tokens(const SharingShape& shape, const SharedWork& out) const {
+    std::int64_t n = 0;
+    for (std::size_t i = 0; i < segments_.size(); ++i) n += finishable(i, shape, out) ? segments_[i].len : 0;
+    return n;
+  }
+
+  // Marks the finishable segments as finished, in segment order while their own slots fit; none
+  // when their rows would pass shape.finish_rows.
+  void choose_finished(const SharingShape& shape, const SharedWork& out) {
+    finished_.assign(segments_.size(), 0);
+    if (finishable_tokens(shape, out) * shape.group * shape.heads_kv > shape.finish_rows) return;
+    std::int64_t slots = run_slots();
+    for (std::size_t i = 0; i < segments_.size(); ++i) {
+      if (!finishable(i, shape, out) || slots + segments_[i].len > shape.slots) continue;
+      finished_[i] = 1;
+      slots += segments_[i].len;
     }
-    return slots <= shape.slots && items <= shape.slots;
   }
 
   // The kept runs into `out`: each token's slots consecutive, its runs in depth order and each
-  // run's splits in split order.
+  // run's splits in split order, then a finished token's own slot; the finished tokens.
   void write(const SharingShape& shape, const SharedWork& out) {
     const std::size_t tokens = segments_.empty() ? 0 : static_cast<std::size_t>(segments_.back().tok0 + segments_.back().len);
     std::vector<std::int32_t>& level = scratch_count_;  // per token: its slots so far
     level.assign(tokens, 0);
     for (const Run& r : runs_)
       for_each_member_token(r, [&](std::int32_t t, std::int32_t) { level[static_cast<std::size_t>(t)] += r.splits; });
+    std::int32_t finished = 0;
+    for (std::size_t i = 0; i < segments_.size(); ++i) {
+      if (finished_[i] == 0) continue;
+      const Segment& s = segments_[i];
+      for (std::int32_t j = 0; j < s.len; ++j) {
+        out.finished[finished++] = FinishedToken{s.tok0 + j, s.seq, s.pos0 + j, out.own_begin[i]};
+        ++level[static_cast<std::size_t>(s.tok0 + j)];  // the own slot, after the runs' slots
+      }
+    }
+    out.counts[3] = finished;
     std::int32_t next = 0;
     for (std::size_t t = 0; t < tokens; ++t) {
       out.token_slots[t] = SlotRange{next, level[t]};
@@ -179,6 +231,7 @@ class SharingPlanner {
   const PositionTable* table_ = nullptr;
   std::vector<Run> runs_;
   std::vector<std::int32_t> members_;  // segment indices of every run, run by run
+  std::vector<std::uint8_t> finished_;  // per segment: finished by the shared-prefix kernel
   std::vector<std::int32_t> scratch_count_;
   std::vector<std::int32_t> scratch_position_;
 };

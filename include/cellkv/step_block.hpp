@@ -13,7 +13,7 @@
 //   ranges        RowRange [windows][max_write]   sequence layout only (reference kernel)
 //   shared        the step's shared prefixes (SharedWork, prefix_sharing.hpp), from a 16-byte
 //                 boundary: counts int32 [4], own_begin int32 [max_write], token_slots SlotRange
-//                 [max_write], runs SharedRun [max_runs], run_tokens, run_slot int32
+//                 [max_write], finished FinishedToken [max_write], runs SharedRun [max_runs], run_tokens, run_slot int32
 //                 [shared_slots], items SharedItem [shared_slots]    cell layout with the table kernels
 //   table writes  TableWrite [max_table_writes]   cell layout only; only the used ones are copied
 //
@@ -63,9 +63,9 @@ constexpr std::int32_t shared_slot_capacity(std::int32_t max_write) noexcept {
 struct StepBlockLayout {
   std::size_t cells = 0, read_len = 0, tokens = 0, num_segments = 0, token_seq = 0, token_pos = 0, window_cells = 0,
               window_read_len = 0, segments = 0, work = 0, work_bytes = 0, ranges = 0, shared = 0, table_writes = 0, bytes = 0;
-  // Inside the shared part: counts, own_begin, token_slots, runs, run_tokens, run_slot, items (the
-  // list at the top of this file).
-  std::size_t own_begin = 0, token_slots = 0, runs = 0, run_tokens = 0, run_slot = 0, items = 0;
+  // Inside the shared part: counts, own_begin, token_slots, finished, runs, run_tokens, run_slot,
+  // items (the list at the top of this file).
+  std::size_t own_begin = 0, token_slots = 0, finished = 0, runs = 0, run_tokens = 0, run_slot = 0, items = 0;
 
   explicit StepBlockLayout(const StepBlockShape& s) {
     const auto w = static_cast<std::size_t>(s.max_write);
@@ -86,7 +86,8 @@ struct StepBlockLayout {
     const auto slots = static_cast<std::size_t>(s.shared_slots);
     own_begin = shared + 16;
     token_slots = align16(own_begin + 4 * w);
-    runs = align16(token_slots + sizeof(SlotRange) * w);
+    finished = align16(token_slots + sizeof(SlotRange) * w);
+    runs = align16(finished + sizeof(FinishedToken) * w);
     run_tokens = align16(runs + sizeof(SharedRun) * static_cast<std::size_t>(s.max_runs));
     run_slot = run_tokens + 4 * slots;
     items = align16(run_slot + 4 * slots);
@@ -102,7 +103,7 @@ struct StepBlockLayout {
     return SharedWork{ints(shared),          reinterpret_cast<SharedRun*>(base + runs),
                       ints(run_tokens),       ints(run_slot),
                       reinterpret_cast<SharedItem*>(base + items), ints(own_begin),
-                      reinterpret_cast<SlotRange*>(base + token_slots)};
+                      reinterpret_cast<SlotRange*>(base + token_slots), reinterpret_cast<FinishedToken*>(base + finished)};
   }
 
   // Window buffer b's work arrays inside a block at `base`.

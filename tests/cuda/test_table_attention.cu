@@ -400,9 +400,12 @@ namespace {
 // and forks - 1 clones at the lengths fork_at(f), `per_fork` tokens each per step, on a cache that
 // shares prefixes and one that does not (the same verbs, the same data). Every step: the sharing
 // cache plans at least `min_items` shared items, and both match the host reference and each other.
+// all_finished: where shared_prefix_wgmma runs, every decode segment is finished by it (no decode
+// work is left; prefix_sharing.hpp), else the decode kernel takes them all.
 template <class ForkAt>
 void forks_off_one_prompt(const CacheConfig& config, const gpu::PoolShape& shape, std::int32_t prompt, std::int32_t forks,
-                          ForkAt&& fork_at, std::int32_t min_items, int steps, std::int32_t per_fork = 1) {
+                          ForkAt&& fork_at, std::int32_t min_items, int steps, std::int32_t per_fork = 1,
+                          bool all_finished = false) {
   using Cache = ForkCells<__nv_bfloat16, placement::clustered<64>>;
   Cache shared(config, shape), plain(config, shape);
   plain.share_prefixes(false);
@@ -437,6 +440,11 @@ void forks_off_one_prompt(const CacheConfig& config, const gpu::PoolShape& shape
     REQUIRE(plain.upload(stream).ok());
     CHECK(shared.shard().work_counts(0).value().shared >= min_items);
     CHECK(plain.shard().work_counts(0).value().shared == 0);
+    if (all_finished) {
+      const std::int32_t decode = shared.shard().work_counts(0).value().decode;
+      if (shared.runs_wgmma_shared()) CHECK(decode == 0);
+      else CHECK(decode == static_cast<std::int32_t>(ids.size()) / per_fork);
+    }
     hs.device_forward(width, stream);
     hp.device_forward(width, stream);
     REQUIRE(shared.commit(stream).ok());
@@ -459,6 +467,7 @@ TEST_CASE("shared prefixes: forks decoding off one prompt give the same outputs 
 }
 
 TEST_CASE("shared prefixes: 16 forks of a 4,096-token prompt fold more than 8 partial slots a token, also of two nested runs") {
+  // Every fork reads 1 to 3 positions itself: on Hopper the shared-prefix kernel finishes them all.
   // The benchmark's shape: one run of 64 rows (16 tokens x GQA 4) split to fill the device's SMs
   // (the wgmma kernel's grid / H_kv splits, at most 16), so each token folds a slot per split (16
   // on an H200; the fold loads its slots in batches of up to 16), on the full-attention layer; the
@@ -467,11 +476,11 @@ TEST_CASE("shared prefixes: 16 forks of a 4,096-token prompt fold more than 8 pa
   REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess);
   const CacheConfig config{.max_write = 64, .max_cells = 4096 + 1024, .max_seqs = 48};
   const gpu::PoolShape shape{.layers = ForkModel::kLayers, .heads_kv = 8, .head_dim = 128, .heads_q = 32};
-  forks_off_one_prompt(config, shape, 4096, 16, [](std::int32_t) { return 4096; }, std::clamp(sms / 8, 2, 9), 3);
+  forks_off_one_prompt(config, shape, 4096, 16, [](std::int32_t) { return 4096; }, std::clamp(sms / 8, 2, 9), 3, 1, true);
   // Half the forks at 2,048: a run [0, 2,048) of all 16 and a nested run [2,048, 4,096) of the root
   // and the forks at 4,096, the splits shared out between the two (8 each on an H200), so those
   // tokens fold the slots of two runs (16) and the others one run's (8); at least one item a run.
-  forks_off_one_prompt(config, shape, 4096, 16, [](std::int32_t f) { return f % 2 == 0 ? 2048 : 4096; }, 2, 3);
+  forks_off_one_prompt(config, shape, 4096, 16, [](std::int32_t f) { return f % 2 == 0 ? 2048 : 4096; }, 2, 3, 1, true);
 }
 
 TEST_CASE("shared prefixes: forks decoding 4 tokens a step (16-row pairs), the decode epilogue's 2- and 4-quad units") {

@@ -3,7 +3,10 @@
 // under every window; a run's cells are the same in every member's table; the partial slots of
 // (token, run, split) are distinct and inside the token's range; the items cover every (run,
 // split, row) once; and a run is found wherever two segments of the step hold the same page
-// (unless the capacities forced a drop, which must still leave a complete plan).
+// (unless the capacities forced a drop, which must still leave a complete plan). Where the shape
+// offers finishing (finish_own), exactly the decode segments of runs with few own positions are
+// finished (all of them unless the slots ran out), each of their tokens with one more slot, and
+// plan_window leaves them out of the decode work.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -11,6 +14,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <span>
 #include <tuple>
 #include <vector>
 
@@ -26,22 +30,73 @@ constexpr std::int32_t kWindows[] = {0, 1, 40, 64, 150, 700};
 
 // The plan's arrays, owned.
 struct Plan {
-  std::vector<std::int32_t> counts = std::vector<std::int32_t>(3), run_tokens, run_slot, own_begin;
+  std::vector<std::int32_t> counts = std::vector<std::int32_t>(4), run_tokens, run_slot, own_begin;
   std::vector<SharedRun> runs;
   std::vector<SharedItem> items;
   std::vector<SlotRange> token_slots;
+  std::vector<FinishedToken> finished;
   SharedWork view;
   Plan(std::int32_t max_write, const SharingShape& shape)
       : run_tokens(static_cast<std::size_t>(shape.slots)), run_slot(run_tokens.size()),
         own_begin(static_cast<std::size_t>(max_write)), runs(static_cast<std::size_t>(shape.max_runs)),
-        items(run_tokens.size()), token_slots(static_cast<std::size_t>(max_write)) {
-    view = SharedWork{counts.data(), runs.data(),      run_tokens.data(),
-                      run_slot.data(), items.data(), own_begin.data(), token_slots.data()};
+        items(run_tokens.size()), token_slots(static_cast<std::size_t>(max_write)),
+        finished(static_cast<std::size_t>(max_write)) {
+    view = SharedWork{counts.data(),   runs.data(),  run_tokens.data(),  run_slot.data(),
+                      items.data(), own_begin.data(), token_slots.data(), finished.data()};
   }
 };
 
+// The finished tokens against brute force: which segments qualify (a decode segment of a run with
+// at most finish_own own positions; all of them when `complete`), each token listed once with its
+// sequence, position and own_begin, one more slot per finished token (the last of its range, used
+// by nothing else), and plan_window's decode work without them. Returns per token: 1 if finished.
+std::vector<int> check_finished(const StepPlan& step, const SharingShape& shape, const SharedWork& w,
+                                std::span<const std::uint8_t> finished_segments, bool complete) {
+  std::vector<int> finished(static_cast<std::size_t>(step.tokens), 0);
+  for (std::int32_t i = 0; i < w.finished_count(); ++i) {
+    const FinishedToken f = w.finished[i];
+    REQUIRE(f.token >= 0);
+    REQUIRE(f.token < step.tokens);
+    CHECK(finished[static_cast<std::size_t>(f.token)]++ == 0);
+    CHECK(f.seq == step.seqs[static_cast<std::size_t>(f.token)]);
+    CHECK(f.pos == step.positions[static_cast<std::size_t>(f.token)]);
+  }
+  REQUIRE(finished_segments.size() == step.segments.size());
+  const std::int32_t limit = std::min(shape.finish_own, kMaxFinishOwn);
+  auto eligible = [&](std::size_t si) {
+    const Segment& seg = step.segments[si];
+    return limit > 0 && is_decode(seg, shape.group) && w.own_begin[si] > 0 && seg.pos0 + seg.len - w.own_begin[si] <= limit;
+  };
+  std::int64_t eligible_rows = 0;  // over finish_rows: nothing is finished
+  for (std::size_t si = 0; si < step.segments.size(); ++si)
+    eligible_rows += eligible(si) ? std::int64_t{step.segments[si].len} * shape.group * shape.heads_kv : 0;
+  const bool too_many = eligible_rows > shape.finish_rows;
+  for (std::size_t si = 0; si < step.segments.size(); ++si) {
+    const Segment& seg = step.segments[si];
+    const bool is_finished = finished[static_cast<std::size_t>(seg.tok0)] != 0;
+    CAPTURE(si);
+    CHECK(is_finished == (finished_segments[si] != 0));
+    if (is_finished) CHECK((eligible(si) && !too_many));
+    if (complete && eligible(si) && !too_many) CHECK(is_finished);
+    for (std::int32_t t = seg.tok0; t < seg.tok0 + seg.len; ++t) CHECK(finished[static_cast<std::size_t>(t)] == (is_finished ? 1 : 0));
+    for (std::int32_t i = 0; i < w.finished_count(); ++i)
+      if (w.finished[i].token >= seg.tok0 && w.finished[i].token < seg.tok0 + seg.len) CHECK(w.finished[i].own_begin == w.own_begin[si]);
+  }
+  // The decode work of any window: the decode segments that are not finished, in order.
+  std::vector<std::int32_t> counts(3), decode_seg(step.segments.size() + 1), prefix(step.segments.size() + 2);
+  std::vector<PrefillItem> prefill(static_cast<std::size_t>(max_prefill_items(static_cast<std::int32_t>(step.segments.size()) * 16, shape.group)));
+  plan_window(step.segments, w.own_begin, 0, AttentionShape{shape.group, 16}, WindowWork{counts.data(), decode_seg.data(), prefix.data(), prefill.data()},
+              finished_segments);
+  std::vector<std::int32_t> want;
+  for (std::size_t si = 0; si < step.segments.size(); ++si)
+    if (is_decode(step.segments[si], shape.group) && finished_segments[si] == 0) want.push_back(static_cast<std::int32_t>(si));
+  CHECK(std::vector<std::int32_t>(decode_seg.begin(), decode_seg.begin() + counts[0]) == want);
+  return finished;
+}
+
 // Checks one planned step against brute force; returns the number of runs.
-std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Plan& plan, bool complete) {
+std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Plan& plan, bool complete,
+                        std::span<const std::uint8_t> finished_segments) {
   const StepPlan step = cache.step();
   const PositionTable& table = cache.table();
   const SharedWork& w = plan.view;
@@ -98,9 +153,19 @@ std::int32_t check_plan(const Cache& cache, const SharingShape& shape, const Pla
     }
     CHECK(next == run.end / kSharedTile);
   }
-  // Token slot ranges hold exactly the slots of the token's runs, every split: nothing else is folded.
-  for (std::int32_t t = 0; t < step.tokens; ++t)
-    CHECK(w.token_slots[t].count == slots_of[static_cast<std::size_t>(t)]);
+  // Token slot ranges hold exactly the slots of the token's runs, every split, and a finished
+  // token's own slot last: nothing else is folded.
+  const std::vector<int> finished = check_finished(step, shape, w, finished_segments, complete);
+  for (std::int32_t t = 0; t < step.tokens; ++t) {
+    const SlotRange range = w.token_slots[t];
+    CHECK(range.count == slots_of[static_cast<std::size_t>(t)] + finished[static_cast<std::size_t>(t)]);
+    if (finished[static_cast<std::size_t>(t)] != 0) {
+      const std::int32_t own = range.first + range.count - 1;
+      CHECK(own >= 0);
+      CHECK(own < shape.slots);
+      CHECK(slots_used.insert(own).second);
+    }
+  }
   CHECK(static_cast<std::int32_t>(slots_used.size()) <= shape.slots);
   // Items: every (run, split, row block) once; the splits of a (run, row block) consecutive.
   std::set<std::tuple<std::int32_t, std::int32_t, std::int32_t>> items;
@@ -210,7 +275,7 @@ void random_trees(std::uint64_t seed, SharingShape shape, bool complete) {
   SharingPlanner planner;
   Plan plan(kMaxWrite, shape);
   std::map<std::int32_t, std::int32_t> depth;  // live sequence -> fork depth
-  std::int32_t total_runs = 0;
+  std::int32_t total_runs = 0, total_finished = 0;
   for (int round = 0; round < 40; ++round) {
     CAPTURE(seed);
     CAPTURE(round);
@@ -247,9 +312,11 @@ void random_trees(std::uint64_t seed, SharingShape shape, bool complete) {
     if (pick(3) == 0) std::shuffle(ids.begin(), ids.end(), rng);  // interleaved: several segments per sequence
     if (!cache.declare_step(ids).ok()) continue;
     planner.plan(cache.step().segments, cache.table(), shape, plan.view);
-    total_runs += check_plan(cache, shape, plan, complete);
+    total_runs += check_plan(cache, shape, plan, complete, planner.finished_segments());
+    total_finished += plan.view.finished_count();
   }
   CHECK(total_runs > 0);
+  if (shape.finish_own > 0) CHECK(total_finished > 0);
 }
 
 }  // namespace
@@ -310,7 +377,7 @@ TEST_CASE("prefix sharing plan: 64 forks of one prompt share it in one run, spli
   SharingPlanner planner;
   Plan plan(128, shape);
   planner.plan(cache.step().segments, cache.table(), shape, plan.view);
-  REQUIRE(check_plan(cache, shape, plan, true) == 1);
+  REQUIRE(check_plan(cache, shape, plan, true, planner.finished_segments()) == 1);
   const SharedRun run = plan.view.runs[0];
   CHECK(run.begin == 0);
   CHECK(run.end == 4096);
@@ -323,10 +390,47 @@ TEST_CASE("prefix sharing plan: 64 forks of one prompt share it in one run, spli
   const SharingShape wide{.group = 4, .heads_kv = 8, .workers = 132, .max_runs = 128, .slots = 2048, .rows = 128, .split_unit = 2};
   Plan wide_plan(128, wide);
   planner.plan(cache.step().segments, cache.table(), wide, wide_plan.view);
-  REQUIRE(check_plan(cache, wide, wide_plan, true) == 1);
+  REQUIRE(check_plan(cache, wide, wide_plan, true, planner.finished_segments()) == 1);
   CHECK(wide_plan.view.runs[0].splits == 8);
   CHECK(wide_plan.view.item_count() == 16);
   for (std::int32_t k = 0; k < 8; ++k) CHECK(split_tiles(wide_plan.view.runs[0], k).count == 8);
+  CHECK(wide_plan.view.finished_count() == 0);  // this shape does not finish
+  // With finishing (the wgmma kernel's offer): every fork's one token is finished, with the 8
+  // splits' slots and its own.
+  SharingShape finishing = wide;
+  finishing.finish_own = kMaxFinishOwn;
+  finishing.finish_rows = 132 * 16;
+  Plan finish_plan(128, finishing);
+  planner.plan(cache.step().segments, cache.table(), finishing, finish_plan.view);
+  REQUIRE(check_plan(cache, finishing, finish_plan, true, planner.finished_segments()) == 1);
+  CHECK(finish_plan.view.finished_count() == 64);
+  for (std::int32_t t = 0; t < 64; ++t) CHECK(finish_plan.view.token_slots[t].count == 9);
+  // One row fewer than the 64 forks' 2,048: none is finished.
+  finishing.finish_rows = 64 * 32 - 1;
+  planner.plan(cache.step().segments, cache.table(), finishing, finish_plan.view);
+  REQUIRE(check_plan(cache, finishing, finish_plan, true, planner.finished_segments()) == 1);
+  CHECK(finish_plan.view.finished_count() == 0);
+  // Slots for the 8 splits but not for the own slots too: fewer splits make room (7 x 64 + 64).
+  finishing.finish_rows = 132 * 16;
+  finishing.slots = 8 * 64 + 63;
+  Plan small_plan(128, finishing);
+  planner.plan(cache.step().segments, cache.table(), finishing, small_plan.view);
+  REQUIRE(check_plan(cache, finishing, small_plan, true, planner.finished_segments()) == 1);
+  CHECK(small_plan.view.runs[0].splits == 7);
+  CHECK(small_plan.view.finished_count() == 64);
+}
+
+TEST_CASE("prefix sharing plan: finished tokens on random fork trees, roomy and tight") {
+  SharingShape finishing{.group = 4, .heads_kv = 8, .workers = 132, .max_runs = 128, .slots = 4096, .rows = 128, .split_unit = 2};
+  finishing.finish_own = kMaxFinishOwn;
+  finishing.finish_rows = 132 * 16;
+  for (std::uint64_t seed = 31; seed <= 36; ++seed) random_trees(seed, finishing, true);
+  finishing.finish_own = 5;  // a bound below the limit
+  for (std::uint64_t seed = 37; seed <= 39; ++seed) random_trees(seed, finishing, true);
+  SharingShape tight{.group = 8, .heads_kv = 2, .workers = 1000, .max_runs = 3, .slots = 40};
+  tight.finish_own = kMaxFinishOwn;
+  tight.finish_rows = 1000 * 16;
+  for (std::uint64_t seed = 41; seed <= 44; ++seed) random_trees(seed, tight, false);
 }
 
 TEST_CASE("prefix sharing plan: a step without forks plans nothing") {
@@ -341,7 +445,7 @@ TEST_CASE("prefix sharing plan: a step without forks plans nothing") {
   SharingPlanner planner;
   Plan plan(16, shape);
   planner.plan(cache.step().segments, cache.table(), shape, plan.view);
-  CHECK(check_plan(cache, shape, plan, true) == 0);
+  CHECK(check_plan(cache, shape, plan, true, planner.finished_segments()) == 0);
   CHECK(plan.view.item_count() == 0);
   for (std::int32_t t = 0; t < 8; ++t) CHECK(plan.view.token_slots[t].count == 0);
 }

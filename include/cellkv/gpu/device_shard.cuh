@@ -464,7 +464,8 @@ class DeviceShard {
         const WindowWork work = lay.work_at(block, b, host_.max_write());
         const bool main_pool = pools_.pool_of_window(window) == 0;  // window pools share no prefixes
         const std::int32_t items = main_pool ? shared_items : 0;
-        plan_window(plan.segments, main_pool ? shared.own_begin : nullptr, window, plan_shape(), work);
+        plan_window(plan.segments, main_pool ? shared.own_begin : nullptr, window, plan_shape(), work,
+                    main_pool && shared_items > 0 ? planner_.finished_segments() : std::span<const std::uint8_t>{});
         counts_[static_cast<std::size_t>(b)] = WorkCounts{work.decode_count(), work.prefill_count(), items};
         step_kernels_ = step_kernels_ | needed_kernels(work.decode_count(), work.prefill_count(), plan.tokens < width, items);
       } else if constexpr (!kTable) {
@@ -498,7 +499,7 @@ class DeviceShard {
         return out.item_count();
       }
     }
-    out.counts[0] = out.counts[1] = out.counts[2] = 0;
+    out.counts[0] = out.counts[1] = out.counts[2] = out.counts[3] = 0;
     std::fill_n(out.own_begin, plan.segments.size(), 0);
     std::fill_n(out.token_slots, plan.tokens, SlotRange{});
     return 0;

@@ -1,5 +1,5 @@
 // cellkv/gpu/numeric.cuh - element conversions for kernels (load as float, store from float) and
-// the exponential the softmax kernels use.
+// the exponential the softmax kernels use, a warp's sum.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,6 +29,13 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// The sum of x over the warp, in every lane.
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
 }
 
 }  // namespace kernels

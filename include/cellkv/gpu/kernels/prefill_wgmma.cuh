@@ -3,9 +3,9 @@
 //
 // Work item = (prefill item, KV head), as prefill_attention.cuh: kPrefillRows (128) query rows of
 // one segment (token x GQA head of the group). The block's loop is written for any work (Work:
-// the items, each item's rows, KV head and tiles, and where its rows' results go): PrefillItems
-// here, the shared-prefix items of shared_prefix_attention.cuh (shared_prefix_wgmma). Block: three
-// warpgroups.
+// the items, each item's rows, KV head and tiles, where its rows' results go, and what the consumer
+// threads do before and after all their items): PrefillItems here, the shared-prefix items of
+// shared_prefix_attention.cuh (shared_prefix_wgmma). Block: three warpgroups.
 //   producer  (warpgroup 0, kProducerRegisters a thread): per item, the item's queries into the
 //             query tile, then every wide KV tile the item reads (kWgmmaTile = 128 positions,
 //             gathered row by row through the position table with cp.async, holes and unread
@@ -190,6 +190,11 @@ struct PrefillItems {
   __device__ void finish(const WgmmaItem<ItemRows>& it, const ItemRows& mine, RowState<D>& st, int lane) const {
     write_rows<T, D>(a, mine, it.hk, st, lane);
   }
+  // Work of the consumer threads (thread: 0 to 255) before and after all their items: none here.
+  template <int D>
+  __device__ void before_items(int /*thread*/) const {}
+  template <int D>
+  __device__ void after_items(int /*thread*/) const {}
 };
 
 // The producer warpgroup (thread t = threadIdx.x in [0, 128)): the queries of every item the block
@@ -449,7 +454,9 @@ __device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const W
     produce_tiles<T, D>(a, work, base, reinterpret_cast<std::uint32_t*>(absent), bar);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
+    work.template before_items<D>(static_cast<int>(threadIdx.x) - kWarpgroup);
     consume_tiles<T, D>(a, work, threadIdx.x / kWarpgroup - 1, base, absent, bar);
+    work.template after_items<D>(static_cast<int>(threadIdx.x) - kWarpgroup);
   }
 #else
   (void)a, (void)work;

@@ -40,12 +40,6 @@ struct AttentionArgs {
   float scale = 0;
 };
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
-  return x;
-}
-
 // E elements [d0, d0 + E) of K and V of (row, head) as floats.
 template <int E, class T>
 __device__ __forceinline__ void load_kv(const PoolView<const T>& pool, std::int64_t row, int head, int d0, float (&k)[E],

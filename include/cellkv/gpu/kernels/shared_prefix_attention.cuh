@@ -16,6 +16,9 @@
 // what the split showed it, and the log2-sum-exp of its scores (-inf when it saw nothing). The
 // kernels that read the tokens' own positions fold every slot of a token, each split of each of
 // its runs, into its output (shared_fold.cuh): the splits need no merge kernel of their own.
+// shared_prefix_wgmma also finishes the finished tokens of the step (shared_finish.cuh: own
+// positions, then the fold), so their decode needs no other kernel; the planner lists them only
+// when this kernel runs (SharingShape::finish_own).
 //
 // Runs before those kernels on the same stream. Grid: persistent (fixed); block: kPrefillWarps x
 // 32 threads; dynamic smem: prefill_smem_bytes<D, Stages, S>(), Stages = prefill_stages(D), S what
@@ -29,6 +32,7 @@
 
 #include "cellkv/gpu/kernels/prefill_attention.cuh"
 #include "cellkv/gpu/kernels/prefill_wgmma.cuh"
+#include "cellkv/gpu/kernels/shared_finish.cuh"
 #include "cellkv/prefix_sharing.hpp"
 
 namespace cellkv::gpu::kernels {
@@ -41,6 +45,7 @@ struct SharedArgs : LayerArgs<T, Rows, S> {
   const std::int32_t* token_pos = nullptr;  // [T] position of each step token
   float* partial_o = nullptr;               // [slots][H_q][D]
   float* partial_lse = nullptr;             // [slots][H_q]
+  FinishSync finish;                        // the counters of the finished tokens (shared_finish.cuh)
 };
 
 // Rows [row0, row0 + rows) of a run; row r is member token r / group (step token tokens[r / group],
@@ -154,6 +159,24 @@ struct SharedItems {
   __device__ void finish(const WgmmaItem<SharedRows>& it, const SharedRows& mine, RowState<D>& st, int lane) const {
     write_partials<D>(a.partial_o, a.partial_lse, a.heads_q, mine, it.hk, it.split, st, lane);
   }
+  // The finished tokens (shared_finish.cuh) by the consumer threads (thread: 0 to 255): their own
+  // parts before the items, their outputs after every block's items.
+  static constexpr int kConsumerWarps = 2 * kWarpgroup / 32;
+  static_assert(kFinishRowsPerBlock == 2 * kConsumerWarps, "two finished rows a consumer warp");
+  template <int D>
+  __device__ void before_items(int thread) const {
+    const int n = a.sharing.finished_count();
+    if (n > 0)
+      own_parts<D>(a, a.sharing.finished, n, a.partial_o, a.partial_lse,
+                   static_cast<int>(blockIdx.x) * kConsumerWarps + thread / 32, static_cast<int>(gridDim.x) * kConsumerWarps,
+                   thread % 32);
+  }
+  template <int D>
+  __device__ void after_items(int thread) const {
+    const int n = a.sharing.finished_count();
+    if (n > 0) finish_rows<D>(a, a.sharing.finished, n, a.finish, kFinishBarrier, 2 * kWarpgroup, thread);
+  }
+  static constexpr int kFinishBarrier = 1;  // named barrier of the consumer threads (0: __syncthreads)
 };
 
 // T: bf16 or fp16 pool and queries (not fp8); D 64 or 128; dynamic smem WgmmaPrefill<D>::kAllocation;

@@ -7,7 +7,9 @@
 //   shared_prefix_attention  the step's shared prefixes (cell layout), read once for all who share
 //                            them; partial results per token, run and KV split (prefix_sharing.hpp);
 //                            shared_prefix_wgmma instead under prefill_wgmma's conditions (below;
-//                            each kernel's register fit checked for itself)
+//                            each kernel's register fit checked for itself), which also finishes
+//                            the decode segments with at most kMaxFinishOwn own positions
+//                            (shared_finish.cuh): they are no decode work
 //   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
 //   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together;
 //                       prefill_wgmma instead where the device runs sm_90a code (wgmma: Hopper),
@@ -148,6 +150,7 @@ class TableAttention {
     const auto shared_rows = static_cast<std::size_t>(shape.shared_slots) * static_cast<std::size_t>(shape.heads_q);
     shared_o_ = DeviceBuffer<float>(shared_rows * static_cast<std::size_t>(shape.head_dim));
     shared_lse_ = DeviceBuffer<float>(shared_rows);
+    CELLKV_CUDA_THROW(cudaMemset(finish_sync_.data(), 0, finish_sync_.bytes()));  // waited for as merge_counts_
   }
 
   // Whether prefill runs the Hopper (wgmma) kernel rather than the mma.sync one.
@@ -169,7 +172,8 @@ class TableAttention {
   static_assert(kernels::kWgmmaTile / kSharedTile <= kMinSplitTiles, "a split of whole units for every split the planner allows");
   [[nodiscard]] SharingShape sharing_shape(std::int32_t max_runs) const noexcept {
     return {shape_.heads_q / shape_.heads_kv, shape_.heads_kv, shared_grid_, max_runs, shape_.shared_slots,
-            wgmma_shared_ ? kPrefillRows : kSharedRows, wgmma_shared_ ? kernels::kWgmmaTile / kSharedTile : 1};
+            wgmma_shared_ ? kPrefillRows : kSharedRows, wgmma_shared_ ? kernels::kWgmmaTile / kSharedTile : 1,
+            wgmma_shared_ ? kMaxFinishOwn : 0, wgmma_shared_ ? shared_grid_ * kernels::kFinishRowsPerBlock : 0};
   }
 
   // One layer's attention through window buffer `buffer` of window `window`: q, out [width, H_q, D];
@@ -197,7 +201,12 @@ class TableAttention {
                                                 window, b.segments, b.work[buffer], fold, guard};
     const kernels::DecodeArgs<In, Rows, S> dec{pre, b.tokens, width, partial_o_.data(), partial_lse_.data(),
                                                merge_counts_.data(), slots_};
-    const kernels::SharedArgs<In, Rows, S> shared{pre, b.shared, b.token_pos, shared_o_.data(), shared_lse_.data()};
+    const kernels::SharedArgs<In, Rows, S> shared{pre,
+                                                  b.shared,
+                                                  b.token_pos,
+                                                  shared_o_.data(),
+                                                  shared_lse_.data(),
+                                                  {finish_sync_.data(), finish_sync_.data() + 1}};
     const bool prefill = launched.has(StepKernels::kPrefill), decode = launched.has(StepKernels::kDecode);
     return dispatch_head_dim(shape_.head_dim, [&](auto d) -> Status {
       constexpr int D = decltype(d)::value;
@@ -325,6 +334,7 @@ class TableAttention {
   DeviceBuffer<float> partial_o_, partial_lse_;
   DeviceBuffer<std::int32_t> merge_counts_;
   DeviceBuffer<float> shared_o_, shared_lse_;  // [shared_slots][H_q][D], [shared_slots][H_q]
+  DeviceBuffer<unsigned long long> finish_sync_{3};  // kernels::FinishSync: arrivals, claims [2]
   Stream side_;
   Event fork_, join_;
 };
