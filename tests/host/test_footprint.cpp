@@ -51,12 +51,14 @@ Expected expected(bool cell, std::int32_t windows, std::int32_t seqs, const Cach
   const std::uint64_t ranges_end = align16(segments_end) + work_each * static_cast<std::uint64_t>(windows) +
                                    (cell ? 0 : 8 * w * static_cast<std::uint64_t>(windows));
   // Shared prefixes (cell layout, when built), from a 16-byte boundary: 4 int32 counts, own_begin
-  // int32[w], 16-byte aligned token_slots (2 int32)[w], 16-byte aligned runs (7 int32)[w], 16-byte
+  // int32[w], 16-byte aligned token_slots (2 int32)[w], 16-byte aligned finished (4 int32)[w],
+  // 16-byte aligned runs (7 int32)[w], 16-byte
   // aligned run_tokens, run_slot int32[slots], 16-byte aligned items (5 int32)[slots];
   // slots = 2 w within [256, 2048].
   const std::uint64_t slots = std::clamp<std::uint64_t>(2 * w, 256, 2048);
   const std::uint64_t shared_end =
-      align16(align16(align16(align16(align16(ranges_end) + 16 + 4 * w) + 8 * w) + 28 * w) + 8 * slots) + 20 * slots;
+      align16(align16(align16(align16(align16(align16(ranges_end) + 16 + 4 * w) + 8 * w) + 16 * w) + 28 * w) + 8 * slots) +
+      20 * slots;
   const std::uint64_t writes_at = cell && parts.shared_prefixes ? align16(shared_end) : align16(ranges_end);
   const std::uint64_t table_writes = cell ? std::max<std::uint64_t>(4 * w, 4096) : 0;
   const std::uint64_t block = writes_at + 8 * table_writes;
@@ -103,10 +105,11 @@ TEST_CASE("footprint: one cell-layout configuration worked out by hand") {
   CHECK(f.value() == Footprint{155136, 33296, 4672, 1400, 155136 + 33296 + 4672 + 1400});
   CHECK(device_footprint<CellHost>(c, kShape, {.element_bytes = 2}).value().total == 155136 + 33296 + 4672);
   // Shared prefixes: 256 slots; from 528: counts 16 and own_begin 28 bytes to 572, token_slots
-  // from 576 (56 bytes), runs from 640 (7 x 28 = 196 bytes), run_tokens and run_slot from 848
-  // (2 x 1024 bytes), items from 2896 (256 x 20 bytes) to 8016; table writes from 8016.
+  // from 576 (56 bytes), finished from 640 (7 x 16 = 112 bytes), runs from 752 (7 x 28 = 196
+  // bytes), run_tokens and run_slot from 960 (2 x 1024 bytes), items from 3008 (256 x 20 bytes)
+  // to 8128; table writes from 8128.
   CHECK(device_footprint<CellHost>(c, kShape, {.element_bytes = 2, .shared_prefixes = true}).value().step_block ==
-        8016 + 32768);
+        8128 + 32768);
 }
 
 TEST_CASE("footprint: both layouts, masks, defaulted max_seqs, GQA groups, element and scale sizes against the formula") {
