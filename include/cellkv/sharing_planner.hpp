@@ -109,7 +109,7 @@ class SharingPlanner {
     // At most tiles / kMinSplitTiles splits, so at most as many as the run has split_unit blocks
     // (split_unit <= kMinSplitTiles, table_attention.cuh asserts it): every split is non-empty.
     // Fewer where the slots would not leave room for the own slots of the segments to finish.
-    const std::int64_t reserve = finishable_tokens(shape, out);
+    const std::int64_t reserve = finish_reserve(shape, out);
     for (std::int64_t splits = std::min<std::int64_t>(want, kMaxSplits);; --splits) {
       for (Run& r : runs_)
         r.splits = static_cast<std::int32_t>(std::clamp<std::int64_t>(
@@ -147,17 +147,19 @@ class SharingPlanner {
     return out.finished != nullptr && is_decode(s, shape.group) && out.own_begin[i] > 0 &&
            own <= std::min(shape.finish_own, kMaxFinishOwn);
   }
-  [[nodiscard]] std::int64_t finishable_tokens(const SharingShape& shape, const SharedWork& out) const {
+  // The tokens of the finishable segments (their own slots), 0 when their rows would pass
+  // shape.finish_rows: then none is finished.
+  [[nodiscard]] std::int64_t finish_reserve(const SharingShape& shape, const SharedWork& out) const {
     std::int64_t n = 0;
     for (std::size_t i = 0; i < segments_.size(); ++i) n += finishable(i, shape, out) ? segments_[i].len : 0;
-    return n;
+    return n * shape.group * shape.heads_kv > shape.finish_rows ? 0 : n;
   }
 
   // Marks the finishable segments as finished, in segment order while their own slots fit; none
   // when their rows would pass shape.finish_rows.
   void choose_finished(const SharingShape& shape, const SharedWork& out) {
     finished_.assign(segments_.size(), 0);
-    if (finishable_tokens(shape, out) * shape.group * shape.heads_kv > shape.finish_rows) return;
+    if (finish_reserve(shape, out) == 0) return;
     std::int64_t slots = run_slots();
     for (std::size_t i = 0; i < segments_.size(); ++i) {
       if (!finishable(i, shape, out) || slots + segments_[i].len > shape.slots) continue;
