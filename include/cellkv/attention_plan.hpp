@@ -118,8 +118,20 @@ constexpr std::int64_t max_prefill_items(std::int32_t max_write, std::int32_t gr
   return (static_cast<std::int64_t>(max_write) * group) / kMinPrefillRows + max_write;
 }
 
+// Tiles of kPrefillTile positions prefill item `it` of segment `s` reads (its cost): what its rows
+// see through `window` from own_begin on, rows_per_item rows of kv group `group` at most.
+CELLKV_HOST_DEVICE constexpr std::int32_t prefill_item_tiles(const Segment& s, const PrefillItem& it, std::int32_t rows_per_item,
+                                                             std::int32_t group, std::int32_t window,
+                                                             std::int32_t own_begin) noexcept {
+  const std::int32_t rows = s.len * group, end = it.row0 + rows_per_item < rows ? it.row0 + rows_per_item : rows;
+  return tiles_seen(window, s.pos0 + it.row0 / group, s.pos0 + (end - 1) / group, kPrefillTile, own_begin).count;
+}
+
 // Plans one window's work from the step's segments: prefill items of shape.prefill_rows rows (a
-// smaller value than kMinPrefillRows plans items of kMinPrefillRows, so they fit max_prefill_items).
+// smaller value than kMinPrefillRows plans items of kMinPrefillRows, so they fit max_prefill_items),
+// heaviest first (prefill_item_tiles; ties in step order, a segment's last rows first): the prefill
+// kernels deal them to their blocks in rounds (dealt_item), so every block gets about the same
+// work whatever the mix of lengths.
 // own_begin: per segment, the first position it reads itself (nullptr: 0 for every segment).
 // finished: per segment, nonzero when the shared-prefix kernel finishes it (prefix_sharing.hpp;
 // empty: none): such a segment is no decode work here.
@@ -137,16 +149,34 @@ inline void plan_window(std::span<const Segment> segments, const std::int32_t* o
       tiles += n;
       longest = n > longest ? n : longest;
     } else {
-      // Last rows first: they see the most, so the longest items start earliest.
       const std::int32_t rows = s.len * shape.group, per_item = std::max(shape.prefill_rows, kMinPrefillRows);
       const std::int32_t items = (rows + per_item - 1) / per_item;
       for (std::int32_t m = items; m-- > 0;) out.prefill[prefill++] = PrefillItem{static_cast<std::int32_t>(i), m * per_item};
     }
   }
+  const std::int32_t per_item = std::max(shape.prefill_rows, kMinPrefillRows);
+  auto cost = [&](const PrefillItem& it) {
+    return prefill_item_tiles(segments[static_cast<std::size_t>(it.seg)], it, per_item, shape.group, window,
+                              own_begin ? own_begin[it.seg] : 0);
+  };
+  std::sort(out.prefill, out.prefill + prefill, [&](const PrefillItem& x, const PrefillItem& y) {
+    const std::int32_t cx = cost(x), cy = cost(y);
+    return cx != cy ? cx > cy : x.seg != y.seg ? x.seg < y.seg : x.row0 > y.row0;
+  });
   out.decode_prefix[decode] = tiles;
   out.counts[0] = decode;
   out.counts[1] = prefill;
   out.counts[2] = longest;
+}
+
+// The item block `block` of `blocks` takes in its round n of `items` (-1: none left): items are
+// dealt in rounds of `blocks`, forward in even rounds and backward in odd ones. Prefill items come
+// heaviest first (plan_window), so the blocks' shares of the work come out about even. A block's
+// items grow with n, so the first past `items` ends its loop.
+CELLKV_HOST_DEVICE constexpr std::int32_t dealt_item(std::int32_t n, std::int32_t items, std::int32_t blocks,
+                                                     std::int32_t block) noexcept {
+  const std::int64_t item = static_cast<std::int64_t>(n) * blocks + ((n & 1) ? blocks - 1 - block : block);
+  return item < items ? static_cast<std::int32_t>(item) : -1;
 }
 
 // ---- the decode split (host and device agree on it; tests check it on the host) ----

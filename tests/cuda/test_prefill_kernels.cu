@@ -3,8 +3,8 @@
 // (itself checked against the float64 host reference in test_table_attention.cu, where the table
 // kernels meet holes and random fork trees on short steps): long ragged prompt chunks (1 to 3,701
 // tokens in one step) beside decode tokens, a window that cuts through them, a fork and a rewind,
-// both layouts, bf16 and fp16, head dims 64 / 128 / 256 (256 runs the mma.sync kernel on every
-// device), GQA 1, 4 and 8.
+// both layouts, bf16 and fp16, head dims 64 / 128 / 256 (the wgmma kernel reads 64-position tiles
+// at 256, 128-position ones below), GQA 1, 4 and 8.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -65,7 +65,7 @@ void ragged_prefill(std::int32_t heads_q, std::int32_t heads_kv, std::int32_t he
   make_mma_cache(mma_cache, config, shape);
   Cache& mma = *mma_cache;
   ref.use_kernels(gpu::KernelChoice::reference);
-  const bool hopper = compute_major() == 9 && (head_dim == 64 || head_dim == 128);
+  const bool hopper = compute_major() == 9 && (head_dim == 64 || head_dim == 128 || head_dim == 256);
   CHECK(fast.runs_wgmma_prefill() == hopper);  // the build's default gpu_arch is 90a
   CHECK_FALSE(mma.runs_wgmma_prefill());
   REQUIRE(mma.runs_table_kernels());
@@ -131,9 +131,11 @@ TEST_CASE("prefill kernels: wgmma and mma.sync agree with the reference on long 
 TEST_CASE("prefill kernels: wgmma and mma.sync agree with the reference on long ragged chunks, sequence layout") {
   ragged_prefill<Slots<__nv_bfloat16>>(8, 1, 128, 4);
   ragged_prefill<Slots<__half>>(8, 8, 64, 5);
+  ragged_prefill<Slots<__half>>(16, 2, 256, 8);
 }
 
 TEST_CASE("prefill kernels: short ragged steps (the sanitizers' case)") {
   ragged_prefill<Cells<__nv_bfloat16, placement::lowest_free>>(8, 2, 128, 6, kShortSteps);
   ragged_prefill<Slots<__half>>(4, 4, 64, 7, kShortSteps);
+  ragged_prefill<Cells<__nv_bfloat16, placement::lowest_free>>(16, 4, 256, 9, kShortSteps);
 }

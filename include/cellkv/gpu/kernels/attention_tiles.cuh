@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cellkv/gpu/kernels/mma.cuh"
 #include "cellkv/gpu/numeric.cuh"
@@ -133,23 +134,24 @@ struct RowState {
   template <int NT, class ToLog2, class Exponent>
   __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&corr)[2], ToLog2&& to_log2,
                                                  Exponent&& exponent) {
+    // Four independent partial maxima and sums a row: short dependency chains for wide tiles.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
+      float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
-      for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * h], s[n][2 * h + 1]));
-      const float m_new = fmaxf(m[h], to_log2(quad_max(mx)));
+      for (int n = 0; n < NT; ++n) mx[n % 4] = fmaxf(mx[n % 4], fmaxf(s[n][2 * h], s[n][2 * h + 1]));
+      const float m_new = fmaxf(m[h], to_log2(quad_max(fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3])))));
       const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing yet
       corr[h] = fast_exp2(m[h] - base);
-      float sum = 0.f;
+      float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
           s[n][e] = fast_exp2(exponent(s[n][e], base));
-          sum += s[n][e];
+          sum[n % 4] += s[n][e];
         }
-      l[h] = l[h] * corr[h] + sum;
+      l[h] = l[h] * corr[h] + ((sum[0] + sum[1]) + (sum[2] + sum[3]));
       m[h] = m_new;
     }
   }
@@ -224,20 +226,33 @@ __device__ __forceinline__ void mask_tile(float (&s)[NT][4], int rows, QPos&& qp
                                           std::uint64_t absent, Scale&& scale, int lane) {
   static_assert(NT * 8 <= 64, "absent masks cover 64 columns");
   const bool whole = full && absent == 0;  // every row < rows sees every column
+  const int lane_col = (lane & 3) * 2;     // the lane's first column of each 8-column block
 #pragma unroll
   for (int e2 = 0; e2 < 2; ++e2) {
     const int r = (lane >> 2) + 8 * e2;
     const bool row_ok = r < rows;
-    const int q = row_ok ? qpos(r) : -1;
-    const PositionRange seen = visible_positions(window, q);
+    // The columns [lo, hi] the row sees, less the lane's column offset, so that a column's test
+    // is two compares with constants (n 8 + (e & 1)): none for a row past `rows`.
+    int lo = 1, hi = 0;
+    if (row_ok && whole) {
+      lo = 0, hi = NT * 8 - 1;
+    } else if (row_ok) {
+      const PositionRange seen = visible_positions(window, qpos(r));
+      lo = seen.begin - key0, hi = seen.end - key0;
+    }
+    lo -= lane_col, hi -= lane_col;
+    auto apply = [&](auto holes) {  // holes: whether absent columns must be tested (the tile's, so warp-uniform)
 #pragma unroll
-    for (int n = 0; n < NT; ++n)
+      for (int n = 0; n < NT; ++n)
 #pragma unroll
-      for (int e = 2 * e2; e < 2 * e2 + 2; ++e) {
-        const int col = n * 8 + (lane & 3) * 2 + (e & 1), key = key0 + col;
-        const bool ok = row_ok && (whole || (seen.contains(key) && ((absent >> col) & 1) == 0));
-        s[n][e] = ok ? s[n][e] * scale(e2, n, e) : -INFINITY;
-      }
+        for (int e = 2 * e2; e < 2 * e2 + 2; ++e) {
+          const int c = n * 8 + (e & 1);
+          const bool ok = c >= lo && c <= hi && (!holes || ((absent >> (c + lane_col)) & 1) == 0);
+          s[n][e] = ok ? s[n][e] * scale(e2, n, e) : -INFINITY;
+        }
+    };
+    if (absent == 0) apply(std::false_type{});
+    else apply(std::true_type{});
   }
 }
 template <int NT, class QPos>

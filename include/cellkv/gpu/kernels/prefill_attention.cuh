@@ -95,6 +95,7 @@ struct ItemRows {
   Segment seg;
   int row0 = 0, rows = 0, group = 1;
   __device__ int token(int r) const { return seg.tok0 + (row0 + r) / group; }
+  __device__ int member_token(int member) const { return seg.tok0 + member; }  // token of rows [member group, + group)
   __device__ int head(int hk, int r) const { return hk * group + (row0 + r) % group; }
   __device__ int qpos(int r) const { return seg.pos0 + (row0 + r) / group; }
   __device__ int first() const { return qpos(0); }
@@ -108,17 +109,34 @@ struct ItemRows {
   }
 };
 
+// The item this block takes in its round n of `items` (-1: none left): dealt_item of
+// attention_plan.hpp over the grid.
+__device__ __forceinline__ int dealt_item(int n, int items) {
+  return cellkv::dealt_item(n, items, static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x));
+}
+
 // Query rows [0, Rows) of `it` (zeros past it.rows) into a swizzled shared tile (Layout::offset(row,
 // chunk): SwizzledTile for ldmatrix, Sw128Tile for wgmma), by threads [0, Threads) of the block
 // (thread `thread`).
+// A thread copies chunk thread % C of rows thread / C + i (Threads / C), C = D / 8; row r is member
+// (row0 + r) / group, head (row0 + r) % group of the rows, walked from row to row without a
+// division.
 template <int D, int Rows, int Threads, class Layout = SwizzledTile<D>, class T, class QRows>
 __device__ void load_queries(const T* q, int heads_q, const QRows& it, int hk, std::uint32_t q_dst, int thread) {
-  constexpr int kChunks = D / 8;
-  for (int i = thread; i < Rows * kChunks; i += Threads) {
-    const int r = i / kChunks, chunk = i % kChunks;
+  constexpr int kChunks = D / 8, kRowStep = Threads / kChunks;
+  static_assert(Threads % kChunks == 0 && Rows % kRowStep == 0, "every thread copies as many chunks");
+  const int chunk = thread % kChunks, r0 = thread / kChunks;
+  const int step_member = kRowStep / it.group, step_head = kRowStep % it.group;
+  int member = (it.row0 + r0) / it.group, head = (it.row0 + r0) % it.group;
+#pragma unroll 4
+  for (int i = 0; i < Rows / kRowStep; ++i) {
+    const int r = r0 + i * kRowStep;
     const bool valid = r < it.rows;
-    const std::int64_t off = valid ? (static_cast<std::int64_t>(it.token(r)) * heads_q + it.head(hk, r)) * D + chunk * 8 : 0;
+    const std::int64_t off =
+        valid ? (static_cast<std::int64_t>(it.member_token(member)) * heads_q + hk * it.group + head) * D + chunk * 8 : 0;
     cp_async_16(q_dst + Layout::offset(r, chunk), q + off, valid);
+    member += step_member, head += step_head;
+    if (head >= it.group) head -= it.group, ++member;
   }
 }
 
@@ -325,9 +343,12 @@ __device__ void attend_block(const LayerArgs<T, Rows, S>& a, const QRows& it, co
 }
 
 // Writes a warp's rows to the layer output (token-major [T, H_q, D]), each folded with its token's
-// shared-prefix partials. The state is consumed.
+// shared-prefix partials when `folds` (the segment's own_begin > 0: exactly the segments whose
+// tokens have partial slots, sharing_planner.hpp). The state is consumed. The output is 16-byte
+// aligned (the launch checks it), so a lane's two adjacent columns go out as one 4-byte store.
 template <class T, int D, class Rows, class QRows, class S = T>
-__device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, int hk, RowState<D>& st, int lane) {
+__device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, int hk, RowState<D>& st, int lane,
+                           bool folds) {
   using R = RowHalf<D>;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -336,10 +357,12 @@ __device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, in
     if (r >= mine.rows) continue;
     const int token = mine.token(r), head = mine.head(hk, r);
     auto column = [&](int j) { return R::column(j, lane); };
-    a.shared.template fold<D, R::kValues>(token, head, a.heads_q, res.lse, column, [&](int j) -> float& { return res.v(j); });
+    if (folds)
+      a.shared.template fold<D, R::kValues>(token, head, a.heads_q, res.lse, column, [&](int j) -> float& { return res.v(j); });
     T* dst = a.out + (static_cast<std::int64_t>(token) * a.heads_q + head) * D;
 #pragma unroll
-    for (int j = 0; j < R::kValues; ++j) dst[column(j)] = from_float<T>(res.v(j));
+    for (int j = 0; j < R::kValues; j += 2)
+      *reinterpret_cast<std::uint32_t*>(dst + column(j)) = pack2<T>(res.v(j), res.v(j + 1));
   }
 }
 
@@ -382,10 +405,12 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention(PrefillArgs
   wait_for_prior_grids();
   a.guard.check(a.work);
   const int items = a.work.prefill_count() * a.pool.heads_kv;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+  for (int n = 0, item; (item = dealt_item(n, items)) >= 0; ++n) {
     const PrefillWork w = prefill_work<kPrefillBlockRows>(a, item);  // one pass of the block
     attend_block<T, D, Stages>(a, w.rows, tile_source(w.rows, w.hk, a.window, w.own_begin), smem, ids,
-                               [&](const ItemRows& mine, RowState<D>& st, int lane) { write_rows<T, D>(a, mine, w.hk, st, lane); });
+                               [&](const ItemRows& mine, RowState<D>& st, int lane) {
+                                 write_rows<T, D>(a, mine, w.hk, st, lane, w.own_begin > 0);
+                               });
   }
 }
 

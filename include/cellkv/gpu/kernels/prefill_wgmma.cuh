@@ -5,29 +5,36 @@
 // one segment (token x GQA head of the group). The block's loop is written for any work (Work:
 // the items, each item's rows, KV head and tiles, where its rows' results go, and what the consumer
 // threads do before and after all their items): PrefillItems here, the shared-prefix items of
-// shared_prefix_attention.cuh (shared_prefix_wgmma). Block: three warpgroups.
+// shared_prefix_attention.cuh (shared_prefix_wgmma). Items are dealt to the persistent blocks in
+// rounds (dealt_item). Block: three warpgroups.
 //   producer  (warpgroup 0, kProducerRegisters a thread): per item, the item's queries into the
-//             query tile, then every wide KV tile the item reads (kWgmmaTile = 128 positions,
-//             gathered row by row through the position table with cp.async, holes and unread
-//             positions zero-filled) into a ring of Stages stages, with the tile's absent columns
-//             beside it; warp w gathers rows [32 w, 32 w + 32) of every tile.
+//             query tile and the item itself (WgmmaItem) into a slot for the consumers, so they
+//             start it without a global read; then every KV tile the item reads (kTile = 128
+//             positions, 64 for D = 256; gathered row by row through the position table with
+//             cp.async, holes and unread positions zero-filled) into a ring of Stages stages, with
+//             the tile's absent columns beside it; each warp gathers 32 rows of every tile.
 //   consumers (warpgroups 1 and 2, kConsumerRegisters): rows [64 c, 64 c + 64) of the item each;
 //             per tile S = Q K^T (wgmma, the queries and K from shared memory), mask and online
 //             softmax in registers (attention_tiles.cuh: the accumulator layout is mma.sync's),
 //             O += P V (wgmma, P from registers, V from the stage). A consumer whose rows cannot
 //             see a tile skips its MMAs (causal and window by position ranges; tiles wholly inside
-//             every row's range are not masked).
+//             every row's range are not masked). Built with CELLKV_PREFILL_PING_PONG=1, the two
+//             warpgroups take turns to issue their MMAs (PingPong: named barriers), so one's
+//             softmax runs under the other's MMAs.
 // Hand-over, by mbarriers: full[s] completes when the producer's copies into stage s have landed
 // (cp.async.mbarrier.arrive) and each producer warp's lane 0 has written its absent bits;
-// empty[s] when all 256 consumer threads are done with it. q_full when the queries have landed;
-// q_empty when both consumer warpgroups' last S of the item is done (S reads the query tile), so
-// the next item's queries load while the consumers finish the current one. The consumers fence
+// empty[s] when all 256 consumer threads are done with it. q_full when the queries have landed
+// and the item slot is written; q_empty when both consumer warpgroups' last S of the item is done
+// (S reads the query tile), so the next item's queries load while the consumers finish the current
+// one. The consumers fence
 // the async proxy before their wgmmas read what cp.async (generic proxy) wrote.
 //
 // Dynamic shared memory (WgmmaPrefill<D>, 1024-byte aligned inside the allocation):
-//   Stages x (K tile, V tile) [kWgmmaTile x D] T (Sw128Tile) | Q tile [kPrefillRows x D] T
-//   (Sw128Tile) | absent [Stages][2] u64 | barriers full[Stages], empty[Stages], q_full, q_empty
-// Grid: persistent, one block per SM. Only pools of T (not fp8), D = 64 and 128.
+//   Stages x (K tile, V tile) [kTile x D] T (Sw128Tile) | Q tile [kPrefillRows x D] T
+//   (Sw128Tile) | absent [Stages][2] u64 | item slots [2] (by item parity, kItemBytes each) |
+//   barriers full[Stages], empty[Stages], q_full, q_empty
+// Grid: persistent, one block per SM. Only pools of T (not fp8), D = 64, 128 and 256 (the
+// shared-prefix items: D = 64 and 128).
 #pragma once
 
 #include <cuda/ptx>
@@ -58,24 +65,35 @@ inline constexpr int kProducerWarps = kWarpgroup / 32;
 inline constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 inline constexpr int kWgmmaRegisterNeed = kWarpgroup * (kProducerRegisters + 2 * kConsumerRegisters);
 static_assert(kPrefillRows == 2 * kConsumerRows, "two consumer warpgroups cover an item");
-// Key positions of a KV tile: two of the position table's kPrefillTile tiles, so S is one m64n128
-// wgmma group and the per-tile work (barriers, softmax reductions, rescale) is spread over 128 keys.
-inline constexpr int kWgmmaTile = 2 * kPrefillTile;
-inline constexpr int kWideN = kWgmmaTile / 8;  // 8-column blocks of S a thread holds
+// Key positions of a KV tile for head dims up to 128 (the shared-prefix items' split unit): two of
+// the position table's kPrefillTile tiles, so S is one m64n128 wgmma group and the per-tile work
+// (barriers, softmax reductions, rescale) is spread over 128 keys.
+inline constexpr int kWideTile = 2 * kPrefillTile;
 
-// Head dims the kernel serves.
-constexpr bool wgmma_prefill_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
+// Head dims the prefill kernel serves, and the shared-prefix kernel (whose finished tokens,
+// shared_finish.cuh, are written for D <= 128).
+constexpr bool wgmma_prefill_supports(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
+constexpr bool wgmma_shared_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
-// Shared-memory layout for head dim D (byte offsets from the 1024-aligned base).
+// Shared-memory layout for head dim D (byte offsets from the 1024-aligned base). D = 256 reads KV
+// tiles of one table tile (64 positions): its 128 KB stage of two 128-position tiles would leave no
+// room for a second stage beside its 64 KB query tile.
+//   D         64      128     256
+//   kTile    128      128      64
+//   kStages    6        3       2
 template <int D>
 struct WgmmaPrefill {
-  static constexpr int kStages = D <= 64 ? 6 : 3;
-  using KV = Sw128Tile<kWgmmaTile, D>;
+  static constexpr int kTile = D <= 128 ? kWideTile : kPrefillTile;  // key positions of a KV tile
+  static constexpr int kN = kTile / 8;                               // 8-column blocks of S a thread holds
+  static constexpr int kStages = D <= 64 ? 6 : D <= 128 ? 3 : 2;
+  using KV = Sw128Tile<kTile, D>;
   static constexpr int kStageBytes = 2 * KV::kBytes;  // K tile, then V tile
   using QTile = Sw128Tile<kPrefillRows, D>;  // read by the wgmmas as A, K-major like K
   static constexpr int kQ = kStages * kStageBytes;
   static constexpr int kAbsent = kQ + kPrefillRows * D * 2;
-  static constexpr int kBarriers = kAbsent + 16 * kStages;
+  static constexpr int kItemBytes = 128;  // one slot of the item descriptors (WgmmaItem)
+  static constexpr int kItems = kAbsent + 16 * kStages;
+  static constexpr int kBarriers = kItems + 2 * kItemBytes;
   static constexpr int kBytes = kBarriers + 8 * (2 * kStages + 2);
   static constexpr int kAllocation = kBytes + 1024;  // room to align the base
   static_assert(kAllocation <= 232448, "fits the opt-in shared memory of a Hopper block (227 KB)");
@@ -85,8 +103,45 @@ struct WgmmaPrefill {
 struct PrefillBarriers {
   std::uint64_t* full;   // [Stages] count: producer threads (async arrivals) + each producer warp's lane 0
   std::uint64_t* empty;  // [Stages] count: consumer threads
-  std::uint64_t* q_full;   // count: producer threads (async arrivals)
+  std::uint64_t* q_full;   // count: producer threads (async arrivals) + producer thread 0 (the item slot)
   std::uint64_t* q_empty;  // count: consumer threads
+};
+
+// Named barriers of the consumer warpgroups' ping-pong (PingPong); 0 is __syncthreads, 1 the
+// shared finish's (shared_prefix_attention.cuh).
+inline constexpr int kPingPongBarrier = 2;
+// Whether the consumer warpgroups take turns (PingPong) or issue freely; CELLKV_PREFILL_PING_PONG=1
+// at build time turns the turns on. Off by default: on the H200 (2026-12-03) the turns gave 3-7%
+// at D 64 and 128 but cost 21% at D 256, and only the default has been through the sanitizers
+// (benchmarks/RESULTS.md).
+#ifndef CELLKV_PREFILL_PING_PONG
+#define CELLKV_PREFILL_PING_PONG 0
+#endif
+inline constexpr bool kPingPong = CELLKV_PREFILL_PING_PONG != 0;
+
+// The order of the two consumer warpgroups' MMAs: warpgroup c issues a tile's MMAs (an "issue")
+// only once the other has made its previous issue, so one warpgroup's softmax runs while the
+// other's MMAs keep the tensor cores busy. Warpgroup c waits on barrier kPingPongBarrier + c (both
+// warpgroups' 256 threads: its own wait, the other's pass). Warpgroup 1 passes once first, so
+// warpgroup 0 issues first; both make the same issues (consume_tiles walks every tile of an item's
+// span, MMAs or not), and warpgroup 0 takes the last pass at the end (finish()), so every phase of
+// both barriers completes. Both walk the tiles in the same order of waits, so neither waits for a
+// tile the other holds back.
+struct PingPong {
+  int c;
+  __device__ __forceinline__ void wait() const {
+    if constexpr (kPingPong) asm volatile("bar.sync %0, %1;" ::"r"(kPingPongBarrier + c), "n"(2 * kWarpgroup) : "memory");
+  }
+  __device__ __forceinline__ void pass() const {
+    if constexpr (kPingPong)
+      asm volatile("bar.arrive %0, %1;" ::"r"(kPingPongBarrier + 1 - c), "n"(2 * kWarpgroup) : "memory");
+  }
+  __device__ __forceinline__ void start() const {
+    if (c == 1) pass();
+  }
+  __device__ __forceinline__ void finish() const {
+    if (c == 0) wait();
+  }
 };
 
 __device__ __forceinline__ void wait_phase(std::uint64_t* bar, std::uint32_t parity) {
@@ -104,38 +159,48 @@ struct RingCursor {
   }
 };
 
-// The item's KV tiles in wide tiles: wide tile first + j covers positions [kWgmmaTile (first + j),
-// kWgmmaTile (first + j + 1)), the position-table tiles of `span` and at most one more at each end
-// (its positions are outside what the item reads: absent).
+// The item's KV tiles in tiles of Tile positions: tile first + j covers positions [Tile (first + j),
+// Tile (first + j + 1)), the position-table tiles of `span` and, for Tile = 2 kPrefillTile, at most
+// one more at each end (its positions are outside what the item reads: absent).
 struct WideSpan {
   int first = 0, count = 0;
 };
+template <int Tile>
 __device__ __forceinline__ WideSpan wide_span(const TileSpan& span) {
+  constexpr int kRatio = Tile / kPrefillTile;
   if (span.count <= 0) return {};
-  const int first = span.first / 2, last = (span.first + span.count - 1) / 2;
+  const int first = span.first / kRatio, last = (span.first + span.count - 1) / kRatio;
   return {first, last - first + 1};
 }
 
 // What a producer lane copies of every tile (D / 8 16-byte chunks a row; lane l copies chunk
 // l % C of rows l / C + p (32 / C), p = 0, 1, ..: C = D / 8), fixed per item so that a copy costs a
-// shuffle, two multiply-adds and the two cp.async.
+// shuffle, two multiply-adds and the cp.async. Each warp gathers 32 rows (rows_of(warp)): of K
+// and V both where a tile has 128 rows; of K (warps 0, 1) or V (warps 2, 3) where it has 64
+// (kSplitKV), so every warp issues as many copies.
 template <class T, int D>
 struct ProducerLane {
   static constexpr int kChunks = D / 8, kRowStep = 32 / kChunks, kPasses = 32 / kRowStep;
+  static constexpr bool kSplitKV = WgmmaPrefill<D>::kTile == 2 * kWarpgroup / 4;
+  static_assert(kSplitKV || WgmmaPrefill<D>::kTile == kWarpgroup, "32 rows a warp");
   static_assert(32 % kChunks == 0 && kPrefillTile % 32 == 0, "whole rows per pass; a warp's rows in one table tile");
-  const char* k;             // K of (row 0, the item's KV head), this lane's chunk
-  const char* v;             // the same in V
+  // The first of the 32 tile rows warp `warp` gathers.
+  static __device__ __forceinline__ int rows_of(int warp) { return 32 * (kSplitKV ? warp % 2 : warp); }
+  const char* k;             // K of (row 0, the item's KV head), this lane's chunk (V for warps 2, 3 when kSplitKV)
+  const char* v;             // the same in V (unused when kSplitKV)
   std::uint32_t row_bytes;   // bytes from one pool row to the next
-  std::uint32_t dst;         // this lane's chunk in its pass-0 row (32 warp + sub) of a stage's K tile, less its swizzle
+  std::uint32_t dst;         // this lane's chunk in its pass-0 row (rows_of + sub) of a stage's K tile (V tile: V
+                             // warps when kSplitKV), less its swizzle
   std::uint32_t swizzle;     // ((chunk & 7) ^ (row & 7)) << 4 of pass 0's row
   __device__ ProducerLane(const PoolView<const T>& pool, int hk, int warp, int lane) {
     using KV = typename WgmmaPrefill<D>::KV;
     const int chunk = lane % kChunks, sub = lane / kChunks;  // sub: the lane's row within a pass
     const std::int64_t head = static_cast<std::int64_t>(hk) * pool.head_dim + chunk * 8;
-    k = reinterpret_cast<const char*>(pool.k + head);
+    const bool v_warp = kSplitKV && warp >= 2;
+    k = reinterpret_cast<const char*>((v_warp ? pool.v : pool.k) + head);
     v = reinterpret_cast<const char*>(pool.v + head);
     row_bytes = static_cast<std::uint32_t>(pool.row_elems() * sizeof(T));
-    dst = static_cast<std::uint32_t>((chunk >> 3) * KV::kBlockBytes + (32 * warp + sub) * 128);
+    dst = static_cast<std::uint32_t>((v_warp ? KV::kBytes : 0) + (chunk >> 3) * KV::kBlockBytes + (rows_of(warp) + sub) * 128);
     swizzle = static_cast<std::uint32_t>(((chunk & 7) ^ sub) << 4);
   }
   // Stage offset of pass p's chunk: rows advance by kRowStep, and (p kRowStep + sub) & 7 =
@@ -145,9 +210,10 @@ struct ProducerLane {
   }
 };
 
-// One wide KV tile into stage `stage`, rows [32 warp, 32 warp + 32) by this producer warp: `id` is
-// the row id of the lane's row 32 warp + lane (-1: absent, zero-filled); lane 0 writes the warp's 32
-// absent bits (absent[warp]), then every lane copies its chunks, each row id shuffled from its lane.
+// One KV tile into stage `stage`, rows [r, r + 32) by this producer warp (r = rows_of(warp)): `id` is
+// the row id of the lane's row r + lane (-1: absent, zero-filled); lane 0 writes the warp's 32
+// absent bits (absent[warp]: of K and V warps alike when kSplitKV), then every lane copies its
+// chunks, each row id shuffled from its lane.
 template <class T, int D>
 __device__ __forceinline__ void produce_tile(const ProducerLane<T, D>& pl, int id, std::uint32_t stage,
                                              std::uint32_t* absent, int warp, int lane) {
@@ -162,7 +228,7 @@ __device__ __forceinline__ void produce_tile(const ProducerLane<T, D>& pl, int i
     const std::uint64_t row = static_cast<std::uint64_t>(static_cast<std::uint32_t>(max(from, 0))) * pl.row_bytes;
     const std::uint32_t dst = stage + pl.offset(p);
     cp_async_16(dst, pl.k + row, from >= 0);
-    cp_async_16(dst + KV::kBytes, pl.v + row, from >= 0);
+    if constexpr (!PL::kSplitKV) cp_async_16(dst + KV::kBytes, pl.v + row, from >= 0);
   }
 }
 
@@ -174,6 +240,7 @@ struct WgmmaItem {
   int hk = 0;
   TileSource src;
   int split = 0;
+  bool folds = false;  // prefill items: whether the rows fold in shared-prefix partials (write_rows)
 };
 
 // The prefill items of the uploaded step (Work of the wgmma block): item i is prefill item
@@ -184,11 +251,11 @@ struct PrefillItems {
   __device__ int count() const { return a.work.prefill_count() * a.pool.heads_kv; }
   __device__ WgmmaItem<ItemRows> at(int item, int /*lane*/) const {
     const PrefillWork w = prefill_work<kPrefillRows>(a, item);
-    return {w.rows, w.hk, tile_source(w.rows, w.hk, a.window, w.own_begin)};
+    return {w.rows, w.hk, tile_source(w.rows, w.hk, a.window, w.own_begin), 0, w.own_begin > 0};
   }
   template <int D>
   __device__ void finish(const WgmmaItem<ItemRows>& it, const ItemRows& mine, RowState<D>& st, int lane) const {
-    write_rows<T, D>(a, mine, it.hk, st, lane);
+    write_rows<T, D>(a, mine, it.hk, st, lane, it.folds);
   }
   // Work of the consumer threads (thread: 0 to 255) before and after all their items: none here.
   template <int D>
@@ -200,22 +267,23 @@ struct PrefillItems {
 // The producer warpgroup (thread t = threadIdx.x in [0, 128)): the queries of every item the block
 // takes, then its wide KV tiles through the ring, all four warps on every tile. The row ids of the
 // next tile are read before the current tile's copies, so their latency hides behind them.
-template <class T, int D, class Rows, class Work>
+template <class T, int D, class Rows, class Work, class Item>
 __device__ void produce_tiles(const LayerArgs<T, Rows>& a, const Work& work, std::uint32_t base, std::uint32_t* absent,
-                              const PrefillBarriers& bar) {
+                              Item* item_slots, const PrefillBarriers& bar) {
   using L = WgmmaPrefill<D>;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
   const int items = work.count();
-  // The lane's row of a wide tile: 32 warp + lane, in table tile `table_tile` of the two.
-  const int table_tile = 32 * warp / kPrefillTile * kPrefillTile, in_table_tile = 32 * warp - table_tile + lane;
+  // The lane's row of a tile: rows_of(warp) + lane, in the table tile at `table_tile`.
+  const int first_row = ProducerLane<T, D>::rows_of(warp);
+  const int table_tile = first_row / kPrefillTile * kPrefillTile, in_table_tile = first_row - table_tile + lane;
   RingCursor<L::kStages> ring;  // the next stage to fill
-  for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
+  for (int n = 0, item; (item = dealt_item(n, items)) >= 0; ++n) {
     const auto w = work.at(item, lane);
     const TileSource& src = w.src;
-    const WideSpan span = wide_span(src.span);
+    const WideSpan span = wide_span<L::kTile>(src.span);
     const ProducerLane<T, D> pl(a.pool, w.hk, warp, lane);
-    auto row_id = [&](int j) {  // the lane's row id in wide tile j
-      return j < span.count ? prefill_row_id(a.rows, src.seq, (span.first + j) * kWgmmaTile + table_tile, src.seen,
+    auto row_id = [&](int j) {  // the lane's row id in tile j
+      return j < span.count ? prefill_row_id(a.rows, src.seq, (span.first + j) * L::kTile + table_tile, src.seen,
                                              in_table_tile)
                             : -1;
     };
@@ -223,6 +291,10 @@ __device__ void produce_tiles(const LayerArgs<T, Rows>& a, const Work& work, std
     wait_phase(bar.q_empty, (n & 1) ^ 1);
     load_queries<D, kPrefillRows, kWarpgroup, typename L::QTile>(a.q, a.heads_q, w.rows, w.hk, base + L::kQ, t);
     ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.q_full);
+    if (t == 0) {  // the item for the consumers, who then need no global reads to start it
+      item_slots[n & 1] = w;
+      (void)::cuda::ptx::mbarrier_arrive(bar.q_full);
+    }
     for (int j = 0; j < span.count; ++j, ring.next()) {
       const int next = row_id(j + 1);
       wait_phase(bar.empty + ring.stage, ring.phase ^ 1u);
@@ -236,25 +308,23 @@ __device__ void produce_tiles(const LayerArgs<T, Rows>& a, const Work& work, std
   cp_async_wait<0>();
 }
 
-// Issues S (64 x kWgmmaTile, this thread's share) = Q K^T, one group: the warpgroup's 64 query
-// rows from q_rows (rows of the Q tile, QTile), the K tile at k_tile.
-template <class T, int D>
-__device__ __forceinline__ void issue_scores(float (&s)[kWideN][4], std::uint32_t q_rows, std::uint32_t k_tile) {
-  static_assert(kWgmmaTile == 128, "S is one m64n128 group");
-  const std::uint64_t q0 = k_operand<kPrefillRows, D>(q_rows, 0), k0 = k_operand<kWgmmaTile, D>(k_tile, 0);
+// Issues S (64 x Tile, this thread's share) = Q K^T, one group: the warpgroup's 64 query rows from
+// q_rows (rows of the Q tile, QTile), the K tile at k_tile.
+template <class T, int D, int Tile = WgmmaPrefill<D>::kTile>
+__device__ __forceinline__ void issue_scores(float (&s)[Tile / 8][4], std::uint32_t q_rows, std::uint32_t k_tile) {
+  const std::uint64_t q0 = k_operand<kPrefillRows, D>(q_rows, 0), k0 = k_operand<Tile, D>(k_tile, 0);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    wgmma_ss128<T>(s, advance(q0, k_step_bytes<kPrefillRows, D>(kk)), advance(k0, k_step_bytes<kWgmmaTile, D>(kk)),
-                   kk > 0);
+    wgmma_ss<T, Tile>(s, advance(q0, k_step_bytes<kPrefillRows, D>(kk)), advance(k0, k_step_bytes<Tile, D>(kk)), kk > 0);
   wgmma_commit();
 }
 
 // Probabilities (a tile of scores after the softmax) as the A fragments of O += P V.
-template <class T>
-__device__ __forceinline__ void pack_probabilities(std::uint32_t (&a)[kWideN / 2][4], const float (&p)[kWideN][4]) {
+template <class T, int N>
+__device__ __forceinline__ void pack_probabilities(std::uint32_t (&a)[N / 2][4], const float (&p)[N][4]) {
 #pragma unroll
-  for (int ks = 0; ks < kWideN / 2; ++ks) {
+  for (int ks = 0; ks < N / 2; ++ks) {
     a[ks][0] = pack2<T>(p[2 * ks][0], p[2 * ks][1]);
     a[ks][1] = pack2<T>(p[2 * ks][2], p[2 * ks][3]);
     a[ks][2] = pack2<T>(p[2 * ks + 1][0], p[2 * ks + 1][1]);
@@ -263,13 +333,13 @@ __device__ __forceinline__ void pack_probabilities(std::uint32_t (&a)[kWideN / 2
 }
 
 // Issues o (64 x D, this thread's share) += P V over the V tile at v_tile, one group; a: P packed.
-template <class T, int D>
-__device__ __forceinline__ void issue_values(float (&o)[D / 8][4], const std::uint32_t (&a)[kWideN / 2][4],
+template <class T, int D, int Tile = WgmmaPrefill<D>::kTile>
+__device__ __forceinline__ void issue_values(float (&o)[D / 8][4], const std::uint32_t (&a)[Tile / 16][4],
                                              std::uint32_t v_tile) {
-  const std::uint64_t v0 = v_operand<kWgmmaTile, D>(v_tile, 0);
+  const std::uint64_t v0 = v_operand<Tile, D>(v_tile, 0);
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < kWideN / 2; ++ks) wgmma_rs<T, D, true>(o, a[ks], advance(v0, 2048u * ks), true);
+  for (int ks = 0; ks < Tile / 16; ++ks) wgmma_rs<T, D, true>(o, a[ks], advance(v0, 2048u * ks), true);
   wgmma_commit();
 }
 
@@ -287,38 +357,41 @@ struct WarpRows {
   }
 };
 
-// Columns [64 h, 64 h + 64) of a wide tile's scores (mask_tile takes 64 columns at a time).
-__device__ __forceinline__ float (&table_tile_of(float (&s)[kWideN][4], int h))[kWideN / 2][4] {
-  return *reinterpret_cast<float(*)[kWideN / 2][4]>(&s[h * (kWideN / 2)]);
+// Columns [64 h, 64 h + 64) of a tile's scores (mask_tile takes 64 columns at a time).
+template <int N>
+__device__ __forceinline__ float (&table_tile_of(float (&s)[N][4], int h))[8][4] {
+  return *reinterpret_cast<float(*)[8][4]>(&s[h * 8]);
 }
 
-// Raw scores of a warp's rows over the wide tile at key0: -inf where a row may not see a column's
-// position or the column is absent (absent[h]: columns [64 h, 64 h + 64)); untouched when every row
-// sees every column.
-template <class QRows>
-__device__ __forceinline__ void mask_scores(float (&s)[kWideN][4], const WarpRows<QRows>& w, int key0, int window,
+// Raw scores of a warp's rows over the tile (N 8-column blocks) at key0: -inf where a row may not
+// see a column's position or the column is absent (absent[h]: columns [64 h, 64 h + 64));
+// untouched when every row sees every column.
+template <int N, class QRows>
+__device__ __forceinline__ void mask_scores(float (&s)[N][4], const WarpRows<QRows>& w, int key0, int window,
                                             const std::uint64_t* absent, int lane) {
-  const std::uint64_t lo = absent[0], hi = absent[1];
-  if (w.rows.rows == 16 && (lo | hi) == 0 && w.sees_all(key0, kWgmmaTile)) return;
+  constexpr int kHalves = N / 8;  // 64-column parts
+  std::uint64_t any = 0;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < kHalves; ++h) any |= absent[h];
+  if (w.rows.rows == 16 && any == 0 && w.sees_all(key0, 8 * N)) return;
+#pragma unroll
+  for (int h = 0; h < kHalves; ++h) {
     const int from = key0 + h * kPrefillTile;
-    mask_tile<kWideN / 2>(table_tile_of(s, h), w.rows.rows, [&](int r) { return w.rows.qpos(r); }, from, window,
-                          w.sees_all(from, kPrefillTile), h ? hi : lo, [](int, int, int) { return 1.f; }, lane);
+    mask_tile<8>(table_tile_of(s, h), w.rows.rows, [&](int r) { return w.rows.qpos(r); }, from, window,
+                 w.sees_all(from, kPrefillTile), absent[h], [](int, int, int) { return 1.f; }, lane);
   }
 }
 
 // Masked raw scores -> probabilities (RowState's online softmax, scale_log2 folded into the
 // exponent when positive); corr: the factors o's rows must take.
-template <int D>
-__device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[kWideN][4], float scale_log2,
-                                             float (&corr)[2]) {
+template <int D, int N>
+__device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N][4], float scale_log2, float (&corr)[2]) {
   if (scale_log2 > 0.f) {
     st.to_probabilities_scaled(s, scale_log2, corr);
     return;
   }
 #pragma unroll
-  for (int n = 0; n < kWideN; ++n)
+  for (int n = 0; n < N; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[n][e] *= scale_log2;  // -inf x a negative scale: +inf; no user does this
   st.to_probabilities(s, corr);
@@ -337,91 +410,86 @@ __device__ __forceinline__ void rescale_rows(RowState<D>& st, const float (&corr
 struct TileRange {
   int lo = 0, hi = 0;
 };
-template <class QRows>
+template <int Tile, class QRows>
 __device__ inline TileRange tiles_of(const QRows& rows, const WideSpan& span, int window) {
   if (rows.rows <= 0) return {};
   // Clamped to the span: an empty span (a shared split the window hides from every row) has no
   // tile to skip either.
-  const int lo = min(span.count, max(0, visible_begin(window, rows.first()) / kWgmmaTile - span.first));
-  const int hi = min(span.count, rows.last() / kWgmmaTile - span.first + 1);
+  const int lo = min(span.count, max(0, visible_begin(window, rows.first()) / Tile - span.first));
+  const int hi = min(span.count, rows.last() / Tile - span.first + 1);
   return {lo, max(lo, hi)};
 }
 
-// A consumer warpgroup (c = 0 or 1): rows [64 c, 64 c + 64) of every item the block takes. Over the
-// tiles its rows see, S of tile j + 1 and P V of tile j run on the tensor cores while the softmax of
-// tile j + 1 runs (the accumulators of O are rescaled once P V of tile j is done).
-template <class T, int D, class Rows, class Work>
+// A consumer warpgroup (c = 0 or 1): rows [64 c, 64 c + 64) of every item the block takes, the
+// item read from the producer's slot. It walks every tile of the item's span with one issue each
+// plus one at the end (PingPong), the same walk for both warpgroups whatever their rows see: at
+// issue j it takes tile j, issues S of tile j when its rows see it and P V of the last tile it
+// scored, then runs the softmax of tile j while that P V runs (the accumulators of O are rescaled
+// once it is done), and releases tile j - 1. Tiles its rows do not see cost it no MMA.
+template <class T, int D, class Rows, class Work, class Item>
 __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int c, std::uint32_t base,
-                              const std::uint64_t* absent, const PrefillBarriers& bar) {
+                              const std::uint64_t* absent, const Item* item_slots, const PrefillBarriers& bar) {
   using L = WgmmaPrefill<D>;
   using Cursor = RingCursor<L::kStages>;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int items = work.count();
+  const PingPong turn{c};
   Cursor ring;  // the next tile to consume
-  auto take = [&] {  // waits for the next tile; returns its place
-    const Cursor t = ring;
-    wait_phase(bar.full + t.stage, t.phase);
-    ring.next();
-    return t;
-  };
-  auto release = [&](const Cursor& t) { (void)::cuda::ptx::mbarrier_arrive(bar.empty + t.stage); };
   auto k_tile = [&](const Cursor& t) { return base + static_cast<std::uint32_t>(t.stage * L::kStageBytes); };
-  for (int item = blockIdx.x, n = 0; item < items; item += gridDim.x, ++n) {
-    const auto w = work.at(item, lane);
-    const WideSpan span = wide_span(w.src.span);
+  turn.start();
+  for (int n = 0; dealt_item(n, items) >= 0; ++n) {
+    wait_phase(bar.q_full, n & 1);
+    const Item w = item_slots[n & 1];
+    const WideSpan span = wide_span<L::kTile>(w.src.span);
     const auto rows = sub_rows(w.rows, kConsumerRows * c, kConsumerRows);  // the warpgroup's
     const WarpRows mine(rows.for_warp(warp, lane), a.window);
     // The warpgroup's rows of the Q tile: 64 rows down its 64-column blocks (8-row atoms keep their
     // 1024-byte alignment, so the swizzle holds).
     const std::uint32_t q_rows = base + L::kQ + static_cast<std::uint32_t>(kConsumerRows * c * 128);
-    wait_phase(bar.q_full, n & 1);
     // The producer may load the next item's queries once both warpgroups' last S is done.
     auto queries_done = [&] { (void)::cuda::ptx::mbarrier_arrive(bar.q_empty); };
-    auto scores = [&](float (&s)[kWideN][4], int j, const Cursor& t) {  // once S of tile j is done
-      mask_scores(s, mine, (span.first + j) * kWgmmaTile, a.window, absent + 2 * t.stage, lane);
-    };
-    RowState<D> st;
-    const TileRange seen = tiles_of(rows, span, a.window);
-    for (int j = 0; j < seen.lo; ++j) release(take());
+    const TileRange seen = tiles_of<L::kTile>(rows, span, a.window);
     if (seen.lo == seen.hi) queries_done();
-    if (seen.lo < seen.hi) {
-      float s[kWideN][4] = {};
-      float corr[2];
-      std::uint32_t p[kWideN / 2][4];
-      Cursor prev = take();
-      ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);  // cp.async's writes, to the wgmma reads
-      issue_scores<T, D>(s, q_rows, k_tile(prev));
-      wgmma_wait<0>();
-      fence_accumulators(s);
-      if (seen.lo + 1 == seen.hi) queries_done();
-      scores(s, seen.lo, prev);
-      softmax_tile(st, s, a.scale_log2, corr);  // o is still zero
-      pack_probabilities<T>(p, s);
-      for (int j = seen.lo + 1; j < seen.hi; ++j) {
-        const Cursor t = take();
-        ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);
-        issue_scores<T, D>(s, q_rows, k_tile(t));
-        issue_values<T, D>(st.o, p, k_tile(prev) + L::KV::kBytes);
-        wgmma_wait<1>();  // S of tile j
+    RowState<D> st;
+    float s[L::kN][4] = {};
+    float corr[2];
+    std::uint32_t p[L::kN / 2][4];
+    bool scored = false;  // p holds the probabilities of tile `prev`, whose P V is not issued yet
+    Cursor prev = ring;
+    for (int j = 0; j <= span.count; ++j) {
+      const Cursor t = ring;
+      const bool score = j >= seen.lo && j < seen.hi;  // seen.hi <= span.count
+      if (j < span.count) {
+        wait_phase(bar.full + t.stage, t.phase);
+        ring.next();
+        if (score) ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);  // cp.async's writes, to the wgmma reads
+      }
+      const bool values = scored;
+      turn.wait();
+      if (score) issue_scores<T, D>(s, q_rows, k_tile(t));
+      if (values) issue_values<T, D>(st.o, p, k_tile(prev) + L::KV::kBytes);
+      turn.pass();
+      if (score) {
+        if (values) wgmma_wait<1>();  // S of tile j
+        else wgmma_wait<0>();
         fence_accumulators(s);
         if (j + 1 == seen.hi) queries_done();
-        scores(s, j, t);
+        mask_scores(s, mine, (span.first + j) * L::kTile, a.window, absent + 2 * t.stage, lane);
         softmax_tile(st, s, a.scale_log2, corr);
-        wgmma_wait<0>();  // P V of tile j - 1
-        fence_accumulators(st.o);
-        release(prev);
-        rescale_rows(st, corr);
-        pack_probabilities<T>(p, s);
-        prev = t;
       }
-      issue_values<T, D>(st.o, p, k_tile(prev) + L::KV::kBytes);
-      wgmma_wait<0>();
-      fence_accumulators(st.o);
-      release(prev);
+      if (values) {
+        wgmma_wait<0>();  // P V of tile prev
+        fence_accumulators(st.o);
+        if (score) rescale_rows(st, corr);
+      }
+      if (j > 0) (void)::cuda::ptx::mbarrier_arrive(bar.empty + prev.stage);
+      if (score) pack_probabilities<T>(p, s);
+      scored = score;
+      prev = t;
     }
-    for (int j = seen.hi; j < span.count; ++j) release(take());
     work.template finish<D>(w, mine.rows, st, lane);
   }
+  turn.finish();
 }
 
 // The block of the wgmma kernels over the items of `work` (shared memory laid out as
@@ -436,13 +504,16 @@ __device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const W
   unsigned char* aligned = smem + (base - raw);
   auto* absent = reinterpret_cast<std::uint64_t*>(aligned + L::kAbsent);  // [Stages][2]
   auto* barriers = reinterpret_cast<std::uint64_t*>(aligned + L::kBarriers);
+  using Item = decltype(work.at(0, 0));
+  static_assert(sizeof(Item) <= L::kItemBytes && alignof(Item) <= 16, "an item fits its slot");
+  auto* item_slots = reinterpret_cast<Item*>(aligned + L::kItems);  // [2], by item parity
   const PrefillBarriers bar{barriers, barriers + L::kStages, barriers + 2 * L::kStages, barriers + 2 * L::kStages + 1};
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
       ::cuda::ptx::mbarrier_init(bar.full + s, kWarpgroup + kProducerWarps);  // the copies, each warp's lane 0
       ::cuda::ptx::mbarrier_init(bar.empty + s, 2 * kWarpgroup);
     }
-    ::cuda::ptx::mbarrier_init(bar.q_full, kWarpgroup);
+    ::cuda::ptx::mbarrier_init(bar.q_full, kWarpgroup + 1);
     ::cuda::ptx::mbarrier_init(bar.q_empty, 2 * kWarpgroup);
   }
   __syncthreads();
@@ -451,11 +522,11 @@ __device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const W
   a.guard.check(a.work);
   if (threadIdx.x < kWarpgroup) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
-    produce_tiles<T, D>(a, work, base, reinterpret_cast<std::uint32_t*>(absent), bar);
+    produce_tiles<T, D>(a, work, base, reinterpret_cast<std::uint32_t*>(absent), item_slots, bar);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
     work.template before_items<D>(static_cast<int>(threadIdx.x) - kWarpgroup);
-    consume_tiles<T, D>(a, work, threadIdx.x / kWarpgroup - 1, base, absent, bar);
+    consume_tiles<T, D>(a, work, threadIdx.x / kWarpgroup - 1, base, absent, item_slots, bar);
     work.template after_items<D>(static_cast<int>(threadIdx.x) - kWarpgroup);
   }
 #else

@@ -58,6 +58,7 @@ struct SharedRows {
   int row0 = 0, rows = 0, group = 1;
   int lo = 0, hi = -1;
   __device__ int token(int r) const { return tokens[(row0 + r) / group]; }
+  __device__ int member_token(int member) const { return tokens[member]; }  // token of rows [member group, + group)
   // Partial slot of row r's token for split k.
   __device__ int slot(int r, int k) const { return slots[(row0 + r) / group] + k; }
   __device__ int head(int hk, int r) const { return hk * group + (row0 + r) % group; }
@@ -179,7 +180,7 @@ struct SharedItems {
   static constexpr int kFinishBarrier = 1;  // named barrier of the consumer threads (0: __syncthreads)
 };
 
-// T: bf16 or fp16 pool and queries (not fp8); D 64 or 128; dynamic smem WgmmaPrefill<D>::kAllocation;
+// T: bf16 or fp16 pool and queries (not fp8); D 64 or 128 (wgmma_shared_supports); dynamic smem WgmmaPrefill<D>::kAllocation;
 // kWgmmaPrefillThreads; grid: one block per SM.
 template <class T, int D, class Rows>
 __global__ void __launch_bounds__(kWgmmaPrefillThreads, 1) shared_prefix_wgmma(SharedArgs<T, Rows> a) {

@@ -1,7 +1,7 @@
 // cellkv/gpu/kernels/wgmma.cuh - Hopper warpgroup MMA (wgmma, sm_90a) for the attention kernels:
 // shared-memory matrix descriptors of the 128-byte swizzled layout, the tile layout they describe,
 // and m64nNk16 MMAs (N = 64, 128, 256) with A in registers and B in shared memory, or both in shared
-// memory (N = 128), bf16 / fp16 operands, fp32 accumulation. Every function here is issued by all 128 threads of a warpgroup.
+// memory (N = 64, 128), bf16 / fp16 operands, fp32 accumulation. Every function here is issued by all 128 threads of a warpgroup.
 //
 // Fragment layouts (warp w = 0..3 of the warpgroup, lane, g = lane / 4, q = lane % 4):
 //   A 64x16 in registers: warp w holds rows [16 w, 16 w + 16) as mma.m16n8k16's A (mma.cuh)
@@ -165,20 +165,30 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const std::uint32
 #endif
 }
 
-// d (64 x 128, this thread's share) = A (64 x 16, descriptor a) x B (16 x 128, descriptor b) +
-// (accumulate ? d : 0), both K-major (k_operand), issued asynchronously as wgmma_rs. Only on sm_90a.
-#define CELLKV_WGMMA_SS128(TYPE)                                                                                   \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                       \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " CELLKV_WGMMA_D128                  \
-               ", %64, %65, p, 1, 1, 0, 0;\n}\n"                                                                   \
-               : CELLKV_WGMMA_OPS128                                                                               \
+// d (64 x N, this thread's share) = A (64 x 16, descriptor a) x B (16 x N, descriptor b) +
+// (accumulate ? d : 0), N = 64 or 128, both K-major (k_operand), issued asynchronously as
+// wgmma_rs. Only on sm_90a.
+#define CELLKV_WGMMA_SS(N, A, B, SCALE, TYPE)                                                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE ", 0;\n"                                                 \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " CELLKV_WGMMA_D##N              \
+               ", " A ", " B ", p, 1, 1, 0, 0;\n}\n"                                                               \
+               : CELLKV_WGMMA_OPS##N                                                                               \
                : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)))
-template <class T>
-__device__ __forceinline__ void wgmma_ss128(float (&d)[16][4], std::uint64_t a, std::uint64_t b, bool accumulate) {
+#define CELLKV_WGMMA_SS64(TYPE) CELLKV_WGMMA_SS(64, "%32", "%33", "%34", TYPE)
+#define CELLKV_WGMMA_SS128(TYPE) CELLKV_WGMMA_SS(128, "%64", "%65", "%66", TYPE)
+template <class T, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], std::uint64_t a, std::uint64_t b, bool accumulate) {
   static_assert(std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>, "bf16 or fp16 operands");
+  static_assert(N == 64 || N == 128, "N: 64 or 128");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) CELLKV_WGMMA_SS128("bf16");
-  else CELLKV_WGMMA_SS128("f16");
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (N == 64) {
+    if constexpr (kBf16) CELLKV_WGMMA_SS64("bf16");
+    else CELLKV_WGMMA_SS64("f16");
+  } else {
+    if constexpr (kBf16) CELLKV_WGMMA_SS128("bf16");
+    else CELLKV_WGMMA_SS128("f16");
+  }
 #else
   (void)d, (void)a, (void)b, (void)accumulate;
   __trap();
@@ -186,6 +196,8 @@ __device__ __forceinline__ void wgmma_ss128(float (&d)[16][4], std::uint64_t a, 
 }
 
 #undef CELLKV_WGMMA_SS128
+#undef CELLKV_WGMMA_SS64
+#undef CELLKV_WGMMA_SS
 #undef CELLKV_WGMMA_RS_TYPES
 #undef CELLKV_WGMMA_RS
 #undef CELLKV_WGMMA_OPS256

@@ -133,6 +133,8 @@ class TableAttention {
   static constexpr int kPreSmem = kernels::prefill_smem_bytes<D, kPrefillStages<D>, S>();
   template <int D>
   static constexpr bool kWgmmaPrefill = !kFp8Kv<T> && kernels::wgmma_prefill_supports(D);  // instantiated
+  template <int D>
+  static constexpr bool kWgmmaShared = !kFp8Kv<T> && kernels::wgmma_shared_supports(D);
 
  public:
   // Throws cellkv::gpu::Error when allocation or a CUDA query fails. Precondition: supported shape.
@@ -169,10 +171,10 @@ class TableAttention {
 
   // What the sharing planner needs: the kernel's geometry (the items and split alignment of the
   // shared-prefix kernel that runs) and the step block's capacities.
-  static_assert(kernels::kWgmmaTile / kSharedTile <= kMinSplitTiles, "a split of whole units for every split the planner allows");
+  static_assert(kernels::kWideTile / kSharedTile <= kMinSplitTiles, "a split of whole units for every split the planner allows");
   [[nodiscard]] SharingShape sharing_shape(std::int32_t max_runs) const noexcept {
     return {shape_.heads_q / shape_.heads_kv, shape_.heads_kv, shared_grid_, max_runs, shape_.shared_slots,
-            wgmma_shared_ ? kPrefillRows : kSharedRows, wgmma_shared_ ? kernels::kWgmmaTile / kSharedTile : 1,
+            wgmma_shared_ ? kPrefillRows : kSharedRows, wgmma_shared_ ? kernels::kWideTile / kSharedTile : 1,
             wgmma_shared_ ? kMaxFinishOwn : 0, wgmma_shared_ ? shared_grid_ * kernels::kFinishRowsPerBlock : 0};
   }
 
@@ -264,7 +266,8 @@ class TableAttention {
     if constexpr (kWgmmaPrefill<D>) {
       if (wgmma_prefill_) {  // one block per SM (its shared memory)
         wgmma_prefill_ = wgmma_kernel_fits(kernels::prefill_wgmma<In, D, Rows>, kernels::WgmmaPrefill<D>::kAllocation);
-        wgmma_shared_ = wgmma_kernel_fits(kernels::shared_prefix_wgmma<In, D, Rows>, kernels::WgmmaPrefill<D>::kAllocation);
+        if constexpr (kWgmmaShared<D>)
+          wgmma_shared_ = wgmma_kernel_fits(kernels::shared_prefix_wgmma<In, D, Rows>, kernels::WgmmaPrefill<D>::kAllocation);
         if (wgmma_prefill_) prefill_grid_ = sms;
         if (wgmma_shared_) shared_grid_ = sms;
       }
@@ -316,7 +319,7 @@ class TableAttention {
   }
   template <int D>
   Status launch_shared(const kernels::SharedArgs<In, Rows, S>& a, cudaStream_t stream) const {
-    if constexpr (kWgmmaPrefill<D>) {
+    if constexpr (kWgmmaShared<D>) {
       if (wgmma_shared_)
         return launch(kernels::shared_prefix_wgmma<In, D, Rows>, shared_grid_, kernels::kWgmmaPrefillThreads,
                       kernels::WgmmaPrefill<D>::kAllocation, dependent_, stream, a);
