@@ -181,7 +181,7 @@ __device__ __forceinline__ WideSpan wide_span(const TileSpan& span) {
 template <class T, int D>
 struct ProducerLane {
   static constexpr int kChunks = D / 8, kRowStep = 32 / kChunks, kPasses = 32 / kRowStep;
-  static constexpr bool kSplitKV = WgmmaPrefill<D>::kTile == kProducerWarps / 2 * 32;  // two warps a tensor
+  static constexpr bool kSplitKV = WgmmaPrefill<D>::kTile == 2 * kWarpgroup / 4;
   static_assert(kSplitKV || WgmmaPrefill<D>::kTile == kWarpgroup, "32 rows a warp");
   static_assert(32 % kChunks == 0 && kPrefillTile % 32 == 0, "whole rows per pass; a warp's rows in one table tile");
   // The first of the 32 tile rows warp `warp` gathers.
