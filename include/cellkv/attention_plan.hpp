@@ -139,6 +139,7 @@ inline void plan_window(std::span<const Segment> segments, const std::int32_t* o
                         const AttentionShape& shape, const WindowWork& out,
                         std::span<const std::uint8_t> finished = {}) {
   std::int32_t decode = 0, prefill = 0, tiles = 0, longest = 0;
+  const std::int32_t per_item = std::max(shape.prefill_rows, kMinPrefillRows);
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const Segment& s = segments[i];
     if (i < finished.size() && finished[i] != 0) continue;
@@ -149,12 +150,11 @@ inline void plan_window(std::span<const Segment> segments, const std::int32_t* o
       tiles += n;
       longest = n > longest ? n : longest;
     } else {
-      const std::int32_t rows = s.len * shape.group, per_item = std::max(shape.prefill_rows, kMinPrefillRows);
+      const std::int32_t rows = s.len * shape.group;
       const std::int32_t items = (rows + per_item - 1) / per_item;
       for (std::int32_t m = items; m-- > 0;) out.prefill[prefill++] = PrefillItem{static_cast<std::int32_t>(i), m * per_item};
     }
   }
-  const std::int32_t per_item = std::max(shape.prefill_rows, kMinPrefillRows);
   auto cost = [&](const PrefillItem& it) {
     return prefill_item_tiles(segments[static_cast<std::size_t>(it.seg)], it, per_item, shape.group, window,
                               own_begin ? own_begin[it.seg] : 0);

@@ -94,8 +94,8 @@ using PrefillArgs = LayerArgs<T, Rows, S>;
 struct ItemRows {
   Segment seg;
   int row0 = 0, rows = 0, group = 1;
-  __device__ int token(int r) const { return seg.tok0 + (row0 + r) / group; }
   __device__ int member_token(int member) const { return seg.tok0 + member; }  // token of rows [member group, + group)
+  __device__ int token(int r) const { return member_token((row0 + r) / group); }
   __device__ int head(int hk, int r) const { return hk * group + (row0 + r) % group; }
   __device__ int qpos(int r) const { return seg.pos0 + (row0 + r) / group; }
   __device__ int first() const { return qpos(0); }
@@ -117,10 +117,9 @@ __device__ __forceinline__ int dealt_item(int n, int items) {
 
 // Query rows [0, Rows) of `it` (zeros past it.rows) into a swizzled shared tile (Layout::offset(row,
 // chunk): SwizzledTile for ldmatrix, Sw128Tile for wgmma), by threads [0, Threads) of the block
-// (thread `thread`).
-// A thread copies chunk thread % C of rows thread / C + i (Threads / C), C = D / 8; row r is member
-// (row0 + r) / group, head (row0 + r) % group of the rows, walked from row to row without a
-// division.
+// (thread `thread`). A thread copies chunk thread % C of rows thread / C + i (Threads / C),
+// C = D / 8; row r is member (row0 + r) / group, head (row0 + r) % group of the rows, walked from
+// row to row without a division.
 template <int D, int Rows, int Threads, class Layout = SwizzledTile<D>, class T, class QRows>
 __device__ void load_queries(const T* q, int heads_q, const QRows& it, int hk, std::uint32_t q_dst, int thread) {
   constexpr int kChunks = D / 8, kRowStep = Threads / kChunks;

@@ -181,7 +181,7 @@ __device__ __forceinline__ WideSpan wide_span(const TileSpan& span) {
 template <class T, int D>
 struct ProducerLane {
   static constexpr int kChunks = D / 8, kRowStep = 32 / kChunks, kPasses = 32 / kRowStep;
-  static constexpr bool kSplitKV = WgmmaPrefill<D>::kTile == 2 * kWarpgroup / 4;
+  static constexpr bool kSplitKV = WgmmaPrefill<D>::kTile == kProducerWarps / 2 * 32;  // two warps a tensor
   static_assert(kSplitKV || WgmmaPrefill<D>::kTile == kWarpgroup, "32 rows a warp");
   static_assert(32 % kChunks == 0 && kPrefillTile % 32 == 0, "whole rows per pass; a warp's rows in one table tile");
   // The first of the 32 tile rows warp `warp` gathers.
@@ -422,10 +422,12 @@ __device__ inline TileRange tiles_of(const QRows& rows, const WideSpan& span, in
 
 // A consumer warpgroup (c = 0 or 1): rows [64 c, 64 c + 64) of every item the block takes, the
 // item read from the producer's slot. It walks every tile of the item's span with one issue each
-// plus one at the end (PingPong), the same walk for both warpgroups whatever their rows see: at
-// issue j it takes tile j, issues S of tile j when its rows see it and P V of the last tile it
-// scored, then runs the softmax of tile j while that P V runs (the accumulators of O are rescaled
-// once it is done), and releases tile j - 1. Tiles its rows do not see cost it no MMA.
+// plus one at the end (PingPong), the same walk for both warpgroups whatever their rows see:
+// tiles its rows do not see are taken and released at once with no MMA; at the first tile they
+// see it issues S; at each further one S of that tile and P V of the one before, running the
+// softmax of the new tile while that P V runs (the accumulators of O are rescaled once it is
+// done); one issue later the last P V. Each kind of issue is straight-line code: ptxas serializes
+// wgmmas issued under run-time conditions within a loop body (warning C7518).
 template <class T, int D, class Rows, class Work, class Item>
 __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int c, std::uint32_t base,
                               const std::uint64_t* absent, const Item* item_slots, const PrefillBarriers& bar) {
@@ -436,6 +438,18 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
   const PingPong turn{c};
   Cursor ring;  // the next tile to consume
   auto k_tile = [&](const Cursor& t) { return base + static_cast<std::uint32_t>(t.stage * L::kStageBytes); };
+  auto take = [&] {  // the next tile, once the producer has filled it
+    const Cursor t = ring;
+    wait_phase(bar.full + t.stage, t.phase);
+    ring.next();
+    return t;
+  };
+  auto take_for_mma = [&] {
+    const Cursor t = take();
+    ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);  // cp.async's writes, to the wgmma reads
+    return t;
+  };
+  auto release = [&](const Cursor& t) { (void)::cuda::ptx::mbarrier_arrive(bar.empty + t.stage); };
   turn.start();
   for (int n = 0; dealt_item(n, items) >= 0; ++n) {
     wait_phase(bar.q_full, n & 1);
@@ -454,38 +468,61 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
     float s[L::kN][4] = {};
     float corr[2];
     std::uint32_t p[L::kN / 2][4];
-    bool scored = false;  // p holds the probabilities of tile `prev`, whose P V is not issued yet
-    Cursor prev = ring;
-    for (int j = 0; j <= span.count; ++j) {
-      const Cursor t = ring;
-      const bool score = j >= seen.lo && j < seen.hi;  // seen.hi <= span.count
+    // Issue j with no MMA: tile j (if j < span.count) taken and released.
+    auto idle = [&](int j) {
       if (j < span.count) {
-        wait_phase(bar.full + t.stage, t.phase);
-        ring.next();
-        if (score) ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);  // cp.async's writes, to the wgmma reads
+        const Cursor t = take();
+        turn.wait();
+        turn.pass();
+        release(t);
+      } else {
+        turn.wait();
+        turn.pass();
       }
-      const bool values = scored;
+    };
+    // Once S of tile j (at t) is complete: masked, then probabilities.
+    auto softmax_of = [&](int j, const Cursor& t) {
+      fence_accumulators(s);
+      if (j + 1 == seen.hi) queries_done();
+      mask_scores(s, mine, (span.first + j) * L::kTile, a.window, absent + 2 * t.stage, lane);
+      softmax_tile(st, s, a.scale_log2, corr);
+    };
+    for (int j = 0; j < seen.lo; ++j) idle(j);
+    if (seen.lo < seen.hi) {
+      Cursor prev = take_for_mma();  // the first seen tile: S alone
       turn.wait();
-      if (score) issue_scores<T, D>(s, q_rows, k_tile(t));
-      if (values) issue_values<T, D>(st.o, p, k_tile(prev) + L::KV::kBytes);
+      issue_scores<T, D>(s, q_rows, k_tile(prev));
       turn.pass();
-      if (score) {
-        if (values) wgmma_wait<1>();  // S of tile j
-        else wgmma_wait<0>();
-        fence_accumulators(s);
-        if (j + 1 == seen.hi) queries_done();
-        mask_scores(s, mine, (span.first + j) * L::kTile, a.window, absent + 2 * t.stage, lane);
-        softmax_tile(st, s, a.scale_log2, corr);
-      }
-      if (values) {
-        wgmma_wait<0>();  // P V of tile prev
+      wgmma_wait<0>();
+      softmax_of(seen.lo, prev);
+      pack_probabilities<T>(p, s);
+      for (int j = seen.lo + 1; j < seen.hi; ++j) {  // S of tile j, P V of tile j - 1
+        const Cursor t = take_for_mma();
+        turn.wait();
+        issue_scores<T, D>(s, q_rows, k_tile(t));
+        issue_values<T, D>(st.o, p, k_tile(prev) + L::KV::kBytes);
+        turn.pass();
+        wgmma_wait<1>();  // S of tile j
+        softmax_of(j, t);
+        wgmma_wait<0>();  // P V of tile j - 1
         fence_accumulators(st.o);
-        if (score) rescale_rows(st, corr);
+        rescale_rows(st, corr);
+        release(prev);
+        pack_probabilities<T>(p, s);
+        prev = t;
       }
-      if (j > 0) (void)::cuda::ptx::mbarrier_arrive(bar.empty + prev.stage);
-      if (score) pack_probabilities<T>(p, s);
-      scored = score;
-      prev = t;
+      const bool unseen = seen.hi < span.count;  // issue seen.hi: the last P V, and tile seen.hi if any
+      const Cursor t = unseen ? take() : Cursor{};
+      turn.wait();
+      issue_values<T, D>(st.o, p, k_tile(prev) + L::KV::kBytes);
+      turn.pass();
+      wgmma_wait<0>();
+      fence_accumulators(st.o);
+      release(prev);
+      if (unseen) release(t);
+      for (int j = seen.hi + 1; j <= span.count; ++j) idle(j);
+    } else {
+      for (int j = seen.lo; j <= span.count; ++j) idle(j);
     }
     work.template finish<D>(w, mine.rows, st, lane);
   }

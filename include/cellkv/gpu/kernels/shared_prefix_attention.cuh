@@ -57,8 +57,8 @@ struct SharedRows {
   const std::int32_t* token_pos = nullptr;
   int row0 = 0, rows = 0, group = 1;
   int lo = 0, hi = -1;
-  __device__ int token(int r) const { return tokens[(row0 + r) / group]; }
   __device__ int member_token(int member) const { return tokens[member]; }  // token of rows [member group, + group)
+  __device__ int token(int r) const { return member_token((row0 + r) / group); }
   // Partial slot of row r's token for split k.
   __device__ int slot(int r, int k) const { return slots[(row0 + r) / group] + k; }
   __device__ int head(int hk, int r) const { return hk * group + (row0 + r) % group; }
