@@ -26,8 +26,8 @@
 // empty[s] when all 256 consumer threads are done with it. q_full when the queries have landed
 // and the item slot is written; q_empty when both consumer warpgroups' last S of the item is done
 // (S reads the query tile), so the next item's queries load while the consumers finish the current
-// one. The consumers fence
-// the async proxy before their wgmmas read what cp.async (generic proxy) wrote.
+// one. The consumers fence the async proxy before their wgmmas read what cp.async (generic proxy)
+// wrote.
 //
 // Dynamic shared memory (WgmmaPrefill<D>, 1024-byte aligned inside the allocation):
 //   Stages x (K tile, V tile) [kTile x D] T (Sw128Tile) | Q tile [kPrefillRows x D] T
@@ -470,15 +470,11 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
     std::uint32_t p[L::kN / 2][4];
     // Issue j with no MMA: tile j (if j < span.count) taken and released.
     auto idle = [&](int j) {
-      if (j < span.count) {
-        const Cursor t = take();
-        turn.wait();
-        turn.pass();
-        release(t);
-      } else {
-        turn.wait();
-        turn.pass();
-      }
+      const bool has_tile = j < span.count;
+      const Cursor t = has_tile ? take() : Cursor{};
+      turn.wait();
+      turn.pass();
+      if (has_tile) release(t);
     };
     // Once S of tile j (at t) is complete: masked, then probabilities.
     auto softmax_of = [&](int j, const Cursor& t) {
