@@ -13,6 +13,7 @@
 # device tool brings back at most eight).
 #
 #   benchmarks/run_prefill_device.sh BUILD_DIR OUT_DIR      (BUILD_DIR need not exist)
+#   PING_PONG=0 benchmarks/run_prefill_device.sh ...        (the default build alone, a minute less)
 set -uo pipefail
 build="${1:?usage: run_prefill_device.sh BUILD_DIR OUT_DIR}"
 out="${2:?usage: run_prefill_device.sh BUILD_DIR OUT_DIR}"
@@ -27,15 +28,19 @@ start=$SECONDS
 
 note "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1) $(git -C "$root" rev-parse --short HEAD 2>/dev/null) $(date -u +%F)"
 [ -d "$build" ] || meson setup "$build" "$root" >"$logs/setup.log" 2>&1
-[ -d "$build-pp" ] || meson setup "$build-pp" "$root" -Dtests=false -Dexamples=false \
+ping_pong="${PING_PONG:-1}"
+[ "$ping_pong" = 0 ] || [ -d "$build-pp" ] || meson setup "$build-pp" "$root" -Dtests=false -Dexamples=false \
   -Dcuda_args=-DCELLKV_PREFILL_PING_PONG=1 >>"$logs/setup.log" 2>&1
 # Two builds at once; `wait` names them (a bare wait would also wait for tee's process substitutions).
-ninja -C "$build" -j12 tests/cuda/cellkv-gpu-tests benchmarks/cellkv-bench-attention >"$logs/build.log" 2>&1 &
+ninja -C "$build" -j"$([ "$ping_pong" = 0 ] && echo 16 || echo 12)" tests/cuda/cellkv-gpu-tests benchmarks/cellkv-bench-attention >"$logs/build.log" 2>&1 &
 default_build=$!
-ninja -C "$build-pp" -j4 benchmarks/cellkv-bench-attention >"$logs/build-pp.log" 2>&1 &
-pp_build=$!
+pp_build=
+if [ "$ping_pong" != 0 ]; then
+  ninja -C "$build-pp" -j4 benchmarks/cellkv-bench-attention >"$logs/build-pp.log" 2>&1 &
+  pp_build=$!
+fi
 wait "$default_build" || note "default build failed ($logs/build.log)"
-wait "$pp_build" || note "ping-pong build failed"
+[ -z "$pp_build" ] || wait "$pp_build" || note "ping-pong build failed"
 note "built in $((SECONDS - start)) s; ptxas serialization warnings (C7518): $(cat "$logs"/build*.log | grep -c C7518)"
 
 suite="$build/tests/cuda/cellkv-gpu-tests"
@@ -58,7 +63,7 @@ done
 : >"$out/cellkv.jsonl"
 for run in 1 2; do
   "$bench" --only prefill --out "$logs/default-$run.jsonl" 2>>"$logs/bench.log"
-  "$bench_pp" --only prefill --out "$logs/pingpong-$run.jsonl" 2>>"$logs/bench.log"
+  [ "$ping_pong" = 0 ] || "$bench_pp" --only prefill --out "$logs/pingpong-$run.jsonl" 2>>"$logs/bench.log"
 done
 "$bench" --only mixed --out "$logs/default-mixed.jsonl" 2>>"$logs/bench.log"
 PYTHONUNBUFFERED=1 python3 "$here/peers.py" --only prefill --impls sdpa_cudnn_per_seq,sdpa_flash_per_seq \

@@ -12,7 +12,11 @@
 //             start it without a global read; then every KV tile the item reads (kTile = 128
 //             positions, 64 for D = 256; gathered row by row through the position table with
 //             cp.async, holes and unread positions zero-filled) into a ring of Stages stages, with
-//             the tile's absent columns beside it; each warp gathers 32 rows of every tile.
+//             the tile's absent columns beside it. A stage's K and V halves are handed over and
+//             back on their own: the K half is refilled once S has read it, the V half once P V
+//             has, so the next K tiles load while the consumers still hold the V tiles before
+//             them. Each warp gathers 32 rows of a tile: of K, then V, where it has 128 rows; of K
+//             (warps 0, 1) or V (warps 2, 3), each pair at its own pace, where it has 64.
 //   consumers (warpgroups 1 and 2, kConsumerRegisters): rows [64 c, 64 c + 64) of the item each;
 //             per tile S = Q K^T (wgmma, the queries and K from shared memory), mask and online
 //             softmax in registers (attention_tiles.cuh: the accumulator layout is mma.sync's),
@@ -21,18 +25,19 @@
 //             every row's range are not masked). Built with CELLKV_PREFILL_PING_PONG=1, the two
 //             warpgroups take turns to issue their MMAs (PingPong: named barriers), so one's
 //             softmax runs under the other's MMAs.
-// Hand-over, by mbarriers: full[s] completes when the producer's copies into stage s have landed
-// (cp.async.mbarrier.arrive) and each producer warp's lane 0 has written its absent bits;
-// empty[s] when all 256 consumer threads are done with it. q_full when the queries have landed
-// and the item slot is written; q_empty when both consumer warpgroups' last S of the item is done
-// (S reads the query tile), so the next item's queries load while the consumers finish the current
-// one. The consumers fence the async proxy before their wgmmas read what cp.async (generic proxy)
-// wrote.
+// Hand-over, by mbarriers, one pair for each half of a stage: full_k[s] completes when the
+// copies of K into stage s have landed (cp.async.mbarrier.arrive) and the lane 0 of each warp
+// that copied them has written its rows' absent bits; empty_k[s] when all 256 consumer threads
+// are done with the K tile (S complete, the absent bits read); full_v[s] and empty_v[s] the same
+// for the V tile (P V complete). q_full when the queries have landed and the item slot is
+// written; q_empty when both consumer warpgroups' last S of the item is done (S reads the query
+// tile), so the next item's queries load while the consumers finish the current one. The
+// consumers fence the async proxy before their wgmmas read what cp.async (generic proxy) wrote.
 //
 // Dynamic shared memory (WgmmaPrefill<D>, 1024-byte aligned inside the allocation):
 //   Stages x (K tile, V tile) [kTile x D] T (Sw128Tile) | Q tile [kPrefillRows x D] T
 //   (Sw128Tile) | absent [Stages][2] u64 | item slots [2] (by item parity, kItemBytes each) |
-//   barriers full[Stages], empty[Stages], q_full, q_empty
+//   barriers full_k[Stages], empty_k[Stages], full_v[Stages], empty_v[Stages], q_full, q_empty
 // Grid: persistent, one block per SM. Only pools of T (not fp8), D = 64, 128 and 256 (the
 // shared-prefix items: D = 64 and 128).
 #pragma once
@@ -94,17 +99,27 @@ struct WgmmaPrefill {
   static constexpr int kItemBytes = 128;  // one slot of the item descriptors (WgmmaItem)
   static constexpr int kItems = kAbsent + 16 * kStages;
   static constexpr int kBarriers = kItems + 2 * kItemBytes;
-  static constexpr int kBytes = kBarriers + 8 * (2 * kStages + 2);
+  static constexpr int kBytes = kBarriers + 8 * (4 * kStages + 2);  // PrefillBarriers::kCount
   static constexpr int kAllocation = kBytes + 1024;  // room to align the base
   static_assert(kAllocation <= 232448, "fits the opt-in shared memory of a Hopper block (227 KB)");
 };
 
-// The four barriers' roles, in shared memory.
+// The barriers, in shared memory from `first` (one pointer, so that a producer thread keeps one):
+//   full_k[Stages]   count: the threads of the warps gathering K (async arrivals) + their lane 0s
+//   empty_k[Stages]  count: consumer threads
+//   full_v[Stages]   count: the same for V
+//   empty_v[Stages]  count: consumer threads
+//   q_full           count: producer threads (async arrivals) + producer thread 0 (the item slot)
+//   q_empty          count: consumer threads
+template <int Stages>
 struct PrefillBarriers {
-  std::uint64_t* full;   // [Stages] count: producer threads (async arrivals) + each producer warp's lane 0
-  std::uint64_t* empty;  // [Stages] count: consumer threads
-  std::uint64_t* q_full;   // count: producer threads (async arrivals) + producer thread 0 (the item slot)
-  std::uint64_t* q_empty;  // count: consumer threads
+  static constexpr int kCount = 4 * Stages + 2;
+  std::uint64_t* first;
+  // The ring barriers of the K tiles (v: of the V tiles).
+  __device__ __forceinline__ std::uint64_t* full(bool v) const { return first + (v ? 2 * Stages : 0); }
+  __device__ __forceinline__ std::uint64_t* empty(bool v) const { return full(v) + Stages; }
+  __device__ __forceinline__ std::uint64_t* q_full() const { return first + 4 * Stages; }
+  __device__ __forceinline__ std::uint64_t* q_empty() const { return first + 4 * Stages + 1; }
 };
 
 // Named barriers of the consumer warpgroups' ping-pong (PingPong); 0 is __syncthreads, 1 the
@@ -176,17 +191,20 @@ __device__ __forceinline__ WideSpan wide_span(const TileSpan& span) {
 // What a producer lane copies of every tile (D / 8 16-byte chunks a row; lane l copies chunk
 // l % C of rows l / C + p (32 / C), p = 0, 1, ..: C = D / 8), fixed per item so that a copy costs a
 // shuffle, two multiply-adds and the cp.async. Each warp gathers 32 rows (rows_of(warp)): of K
-// and V both where a tile has 128 rows; of K (warps 0, 1) or V (warps 2, 3) where it has 64
-// (kSplitKV), so every warp issues as many copies.
+// and V both where a tile has 128 rows, K first; of K (warps 0, 1) or V (warps 2, 3) where it has
+// 64 (kSplitKV), the two pairs then each at its own pace.
 template <class T, int D>
 struct ProducerLane {
   static constexpr int kChunks = D / 8, kRowStep = 32 / kChunks, kPasses = 32 / kRowStep;
   static constexpr bool kSplitKV = WgmmaPrefill<D>::kTile == kProducerWarps / 2 * 32;  // two warps a tensor
   static_assert(kSplitKV || WgmmaPrefill<D>::kTile == kWarpgroup, "32 rows a warp");
   static_assert(32 % kChunks == 0 && kPrefillTile % 32 == 0, "whole rows per pass; a warp's rows in one table tile");
+  static constexpr int kTensorWarps = kSplitKV ? kProducerWarps / 2 : kProducerWarps;  // warps that gather a tensor
   // The first of the 32 tile rows warp `warp` gathers.
   static __device__ __forceinline__ int rows_of(int warp) { return 32 * (kSplitKV ? warp % 2 : warp); }
-  const char* k;             // K of (row 0, the item's KV head), this lane's chunk (V for warps 2, 3 when kSplitKV)
+  // Whether warp `warp` gathers V alone (the V warps when kSplitKV).
+  static __device__ __forceinline__ bool v_only(int warp) { return kSplitKV && warp >= 2; }
+  const char* k;             // K of (row 0, the item's KV head), this lane's chunk (V for the V warps when kSplitKV)
   const char* v;             // the same in V (unused when kSplitKV)
   std::uint32_t row_bytes;   // bytes from one pool row to the next
   std::uint32_t dst;         // this lane's chunk in its pass-0 row (rows_of + sub) of a stage's K tile (V tile: V
@@ -196,11 +214,11 @@ struct ProducerLane {
     using KV = typename WgmmaPrefill<D>::KV;
     const int chunk = lane % kChunks, sub = lane / kChunks;  // sub: the lane's row within a pass
     const std::int64_t head = static_cast<std::int64_t>(hk) * pool.head_dim + chunk * 8;
-    const bool v_warp = kSplitKV && warp >= 2;
-    k = reinterpret_cast<const char*>((v_warp ? pool.v : pool.k) + head);
+    k = reinterpret_cast<const char*>((v_only(warp) ? pool.v : pool.k) + head);
     v = reinterpret_cast<const char*>(pool.v + head);
     row_bytes = static_cast<std::uint32_t>(pool.row_elems() * sizeof(T));
-    dst = static_cast<std::uint32_t>((v_warp ? KV::kBytes : 0) + (chunk >> 3) * KV::kBlockBytes + (rows_of(warp) + sub) * 128);
+    dst = static_cast<std::uint32_t>((v_only(warp) ? KV::kBytes : 0) + (chunk >> 3) * KV::kBlockBytes +
+                                     (rows_of(warp) + sub) * 128);
     swizzle = static_cast<std::uint32_t>(((chunk & 7) ^ sub) << 4);
   }
   // Stage offset of pass p's chunk: rows advance by kRowStep, and (p kRowStep + sub) & 7 =
@@ -210,25 +228,20 @@ struct ProducerLane {
   }
 };
 
-// One KV tile into stage `stage`, rows [r, r + 32) by this producer warp (r = rows_of(warp)): `id` is
-// the row id of the lane's row r + lane (-1: absent, zero-filled); lane 0 writes the warp's 32
-// absent bits (absent[warp]: of K and V warps alike when kSplitKV), then every lane copies its
-// chunks, each row id shuffled from its lane.
-template <class T, int D>
-__device__ __forceinline__ void produce_tile(const ProducerLane<T, D>& pl, int id, std::uint32_t stage,
-                                             std::uint32_t* absent, int warp, int lane) {
+// The warp's 32 rows of one tensor of a tile into stage `stage` (V: pl.v into the V tile, else pl.k
+// into the warp's tile): `id` is the row id of the lane's row rows_of(warp) + lane (-1: absent,
+// zero-filled), each copy's row id shuffled from its lane.
+template <class T, int D, bool V>
+__device__ __forceinline__ void copy_rows(const ProducerLane<T, D>& pl, int id, std::uint32_t stage, int lane) {
   using KV = typename WgmmaPrefill<D>::KV;
   using PL = ProducerLane<T, D>;
-  const std::uint32_t missing = __ballot_sync(0xffffffffu, id < 0);
-  if (lane == 0) absent[warp] = missing;
   const int sub = lane / PL::kChunks;
+  const char* const src = V ? pl.v : pl.k;
 #pragma unroll
   for (int p = 0; p < PL::kPasses; ++p) {
     const int from = __shfl_sync(0xffffffffu, id, p * PL::kRowStep + sub);
     const std::uint64_t row = static_cast<std::uint64_t>(static_cast<std::uint32_t>(max(from, 0))) * pl.row_bytes;
-    const std::uint32_t dst = stage + pl.offset(p);
-    cp_async_16(dst, pl.k + row, from >= 0);
-    if constexpr (!PL::kSplitKV) cp_async_16(dst + KV::kBytes, pl.v + row, from >= 0);
+    cp_async_16(stage + pl.offset(p) + (V ? KV::kBytes : 0u), src + row, from >= 0);
   }
 }
 
@@ -265,43 +278,58 @@ struct PrefillItems {
 };
 
 // The producer warpgroup (thread t = threadIdx.x in [0, 128)): the queries of every item the block
-// takes, then its wide KV tiles through the ring, all four warps on every tile. The row ids of the
-// next tile are read before the current tile's copies, so their latency hides behind them.
+// takes, then its KV tiles through the ring, each half of a stage once the consumers have released
+// it (ProducerLane: which warps gather which rows). The row ids of the next tile are read before
+// the current tile's copies, so their latency hides behind them.
 template <class T, int D, class Rows, class Work, class Item>
 __device__ void produce_tiles(const LayerArgs<T, Rows>& a, const Work& work, std::uint32_t base, std::uint32_t* absent,
-                              Item* item_slots, const PrefillBarriers& bar) {
+                              Item* item_slots, const PrefillBarriers<WgmmaPrefill<D>::kStages>& bar) {
   using L = WgmmaPrefill<D>;
+  using PL = ProducerLane<T, D>;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+  const bool v_warp = PL::v_only(warp);
   const int items = work.count();
   // The lane's row of a tile: rows_of(warp) + lane, in the table tile at `table_tile`.
-  const int first_row = ProducerLane<T, D>::rows_of(warp);
+  const int first_row = PL::rows_of(warp);
   const int table_tile = first_row / kPrefillTile * kPrefillTile, in_table_tile = first_row - table_tile + lane;
   RingCursor<L::kStages> ring;  // the next stage to fill
   for (int n = 0, item; (item = dealt_item(n, items)) >= 0; ++n) {
     const auto w = work.at(item, lane);
     const TileSource& src = w.src;
     const WideSpan span = wide_span<L::kTile>(src.span);
-    const ProducerLane<T, D> pl(a.pool, w.hk, warp, lane);
+    const PL pl(a.pool, w.hk, warp, lane);
     auto row_id = [&](int j) {  // the lane's row id in tile j
       return j < span.count ? prefill_row_id(a.rows, src.seq, (span.first + j) * L::kTile + table_tile, src.seen,
                                              in_table_tile)
                             : -1;
     };
     int id = row_id(0);
-    wait_phase(bar.q_empty, (n & 1) ^ 1);
+    wait_phase(bar.q_empty(), (n & 1) ^ 1);
     load_queries<D, kPrefillRows, kWarpgroup, typename L::QTile>(a.q, a.heads_q, w.rows, w.hk, base + L::kQ, t);
-    ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.q_full);
+    ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.q_full());
     if (t == 0) {  // the item for the consumers, who then need no global reads to start it
       item_slots[n & 1] = w;
-      (void)::cuda::ptx::mbarrier_arrive(bar.q_full);
+      (void)::cuda::ptx::mbarrier_arrive(bar.q_full());
     }
     for (int j = 0; j < span.count; ++j, ring.next()) {
       const int next = row_id(j + 1);
-      wait_phase(bar.empty + ring.stage, ring.phase ^ 1u);
-      produce_tile<T, D>(pl, id, base + static_cast<std::uint32_t>(ring.stage * L::kStageBytes),
-                         absent + 4 * ring.stage, warp, lane);
-      ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.full + ring.stage);
-      if (lane == 0) (void)::cuda::ptx::mbarrier_arrive(bar.full + ring.stage);  // after writing absent[warp]
+      const std::uint32_t stage = base + static_cast<std::uint32_t>(ring.stage * L::kStageBytes);
+      // One tensor's rows of tile j, once the consumers are done with that half of the stage; the
+      // K warps' lane 0s write the rows' absent bits first.
+      auto fill = [&](bool v, auto copy) {
+        wait_phase(bar.empty(v) + ring.stage, ring.phase ^ 1u);
+        const std::uint32_t missing = __ballot_sync(0xffffffffu, id < 0);
+        if (lane == 0 && !v) absent[4 * ring.stage + warp] = missing;
+        copy();
+        ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.full(v) + ring.stage);
+        if (lane == 0) (void)::cuda::ptx::mbarrier_arrive(bar.full(v) + ring.stage);  // after the absent bits
+      };
+      if constexpr (PL::kSplitKV) {
+        fill(v_warp, [&] { copy_rows<T, D, false>(pl, id, stage, lane); });
+      } else {
+        fill(false, [&] { copy_rows<T, D, false>(pl, id, stage, lane); });
+        fill(true, [&] { copy_rows<T, D, true>(pl, id, stage, lane); });
+      }
       id = next;
     }
   }
@@ -426,33 +454,35 @@ __device__ inline TileRange tiles_of(const QRows& rows, const WideSpan& span, in
 // tiles its rows do not see are taken and released at once with no MMA; at the first tile they
 // see it issues S; at each further one S of that tile and P V of the one before, running the
 // softmax of the new tile while that P V runs (the accumulators of O are rescaled once it is
-// done); one issue later the last P V. Each kind of issue is straight-line code: ptxas serializes
-// wgmmas issued under run-time conditions within a loop body (warning C7518).
+// done); one issue later the last P V. A K tile is released once its S is complete and masked, a
+// V tile once its P V is. Each kind of issue is straight-line code: ptxas serializes wgmmas issued
+// under run-time conditions within a loop body (warning C7518).
 template <class T, int D, class Rows, class Work, class Item>
 __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int c, std::uint32_t base,
-                              const std::uint64_t* absent, const Item* item_slots, const PrefillBarriers& bar) {
+                              const std::uint64_t* absent, const Item* item_slots, const PrefillBarriers<WgmmaPrefill<D>::kStages>& bar) {
   using L = WgmmaPrefill<D>;
   using Cursor = RingCursor<L::kStages>;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int items = work.count();
   const PingPong turn{c};
-  Cursor ring;  // the next tile to consume
-  auto k_tile = [&](const Cursor& t) { return base + static_cast<std::uint32_t>(t.stage * L::kStageBytes); };
-  auto take = [&] {  // the next tile, once the producer has filled it
-    const Cursor t = ring;
-    wait_phase(bar.full + t.stage, t.phase);
-    ring.next();
-    return t;
+  Cursor next_k, next_v;  // the next K and V tiles to consume
+  // A tile taken is known by its stage.
+  auto k_tile = [&](int stage) { return base + static_cast<std::uint32_t>(stage * L::kStageBytes); };
+  auto v_tile = [&](int stage) { return k_tile(stage) + static_cast<std::uint32_t>(L::KV::kBytes); };
+  auto take = [&](Cursor& next, std::uint64_t* full) {  // the next tile of a ring, once the producer filled it
+    const int stage = next.stage;
+    wait_phase(full + stage, next.phase);
+    next.next();
+    return stage;
   };
-  auto take_for_mma = [&] {
-    const Cursor t = take();
-    ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);  // cp.async's writes, to the wgmma reads
-    return t;
-  };
-  auto release = [&](const Cursor& t) { (void)::cuda::ptx::mbarrier_arrive(bar.empty + t.stage); };
+  // Before wgmmas read tiles just taken: cp.async's writes (generic proxy) to the async proxy.
+  auto fence_copies = [] { ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared); };
+  auto take_k = [&] { return take(next_k, bar.full(false)); };
+  auto take_v = [&] { return take(next_v, bar.full(true)); };
+  auto release = [](std::uint64_t* empty, int stage) { (void)::cuda::ptx::mbarrier_arrive(empty + stage); };
   turn.start();
   for (int n = 0; dealt_item(n, items) >= 0; ++n) {
-    wait_phase(bar.q_full, n & 1);
+    wait_phase(bar.q_full(), n & 1);
     const Item w = item_slots[n & 1];
     const WideSpan span = wide_span<L::kTile>(w.src.span);
     const auto rows = sub_rows(w.rows, kConsumerRows * c, kConsumerRows);  // the warpgroup's
@@ -461,61 +491,68 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
     // 1024-byte alignment, so the swizzle holds).
     const std::uint32_t q_rows = base + L::kQ + static_cast<std::uint32_t>(kConsumerRows * c * 128);
     // The producer may load the next item's queries once both warpgroups' last S is done.
-    auto queries_done = [&] { (void)::cuda::ptx::mbarrier_arrive(bar.q_empty); };
+    auto queries_done = [&] { (void)::cuda::ptx::mbarrier_arrive(bar.q_empty()); };
     const TileRange seen = tiles_of<L::kTile>(rows, span, a.window);
     if (seen.lo == seen.hi) queries_done();
     RowState<D> st;
     float s[L::kN][4] = {};
     float corr[2];
     std::uint32_t p[L::kN / 2][4];
-    // Issue j with no MMA: tile j (if j < span.count) taken and released.
-    auto idle = [&](int j) {
-      const bool has_tile = j < span.count;
-      const Cursor t = has_tile ? take() : Cursor{};
+    // Tile j (if j < span.count), which the warpgroup's rows do not see: both halves taken and
+    // released at once.
+    auto skip = [&](int j) {
+      if (j >= span.count) return;
+      release(bar.empty(false), take_k());
+      release(bar.empty(true), take_v());
+    };
+    auto idle = [&](int j) {  // issue j with no MMA
+      skip(j);
       turn.wait();
       turn.pass();
-      if (has_tile) release(t);
     };
-    // Once S of tile j (at t) is complete: masked, then probabilities.
-    auto softmax_of = [&](int j, const Cursor& t) {
+    // Once S of tile j (K tile in stage k) is complete: masked (the K tile is then released), then
+    // probabilities.
+    auto softmax_of = [&](int j, int k) {
       fence_accumulators(s);
       if (j + 1 == seen.hi) queries_done();
-      mask_scores(s, mine, (span.first + j) * L::kTile, a.window, absent + 2 * t.stage, lane);
+      mask_scores(s, mine, (span.first + j) * L::kTile, a.window, absent + 2 * k, lane);
+      release(bar.empty(false), k);
       softmax_tile(st, s, a.scale_log2, corr);
     };
     for (int j = 0; j < seen.lo; ++j) idle(j);
     if (seen.lo < seen.hi) {
-      Cursor prev = take_for_mma();  // the first seen tile: S alone
+      const int first = take_k();  // the first seen tile: S alone
+      fence_copies();
       turn.wait();
-      issue_scores<T, D>(s, q_rows, k_tile(prev));
+      issue_scores<T, D>(s, q_rows, k_tile(first));
       turn.pass();
       wgmma_wait<0>();
-      softmax_of(seen.lo, prev);
+      softmax_of(seen.lo, first);
       pack_probabilities<T>(p, s);
       for (int j = seen.lo + 1; j < seen.hi; ++j) {  // S of tile j, P V of tile j - 1
-        const Cursor t = take_for_mma();
+        const int k = take_k(), v = take_v();
+        fence_copies();
         turn.wait();
-        issue_scores<T, D>(s, q_rows, k_tile(t));
-        issue_values<T, D>(st.o, p, k_tile(prev) + L::KV::kBytes);
+        issue_scores<T, D>(s, q_rows, k_tile(k));
+        issue_values<T, D>(st.o, p, v_tile(v));
         turn.pass();
         wgmma_wait<1>();  // S of tile j
-        softmax_of(j, t);
+        softmax_of(j, k);
         wgmma_wait<0>();  // P V of tile j - 1
         fence_accumulators(st.o);
         rescale_rows(st, corr);
-        release(prev);
+        release(bar.empty(true), v);
         pack_probabilities<T>(p, s);
-        prev = t;
       }
-      const bool unseen = seen.hi < span.count;  // issue seen.hi: the last P V, and tile seen.hi if any
-      const Cursor t = unseen ? take() : Cursor{};
+      const int v = take_v();  // issue seen.hi: the last P V, and tile seen.hi (if any) skipped
+      skip(seen.hi);
+      fence_copies();
       turn.wait();
-      issue_values<T, D>(st.o, p, k_tile(prev) + L::KV::kBytes);
+      issue_values<T, D>(st.o, p, v_tile(v));
       turn.pass();
       wgmma_wait<0>();
       fence_accumulators(st.o);
-      release(prev);
-      if (unseen) release(t);
+      release(bar.empty(true), v);
       for (int j = seen.hi + 1; j <= span.count; ++j) idle(j);
     } else {
       for (int j = seen.lo; j <= span.count; ++j) idle(j);
@@ -540,14 +577,16 @@ __device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const W
   using Item = decltype(work.at(0, 0));
   static_assert(sizeof(Item) <= L::kItemBytes && alignof(Item) <= 16, "an item fits its slot");
   auto* item_slots = reinterpret_cast<Item*>(aligned + L::kItems);  // [2], by item parity
-  const PrefillBarriers bar{barriers, barriers + L::kStages, barriers + 2 * L::kStages, barriers + 2 * L::kStages + 1};
+  const PrefillBarriers<L::kStages> bar{barriers};
   if (threadIdx.x == 0) {
-    for (int s = 0; s < L::kStages; ++s) {
-      ::cuda::ptx::mbarrier_init(bar.full + s, kWarpgroup + kProducerWarps);  // the copies, each warp's lane 0
-      ::cuda::ptx::mbarrier_init(bar.empty + s, 2 * kWarpgroup);
-    }
-    ::cuda::ptx::mbarrier_init(bar.q_full, kWarpgroup + 1);
-    ::cuda::ptx::mbarrier_init(bar.q_empty, 2 * kWarpgroup);
+    constexpr int kWarps = ProducerLane<T, D>::kTensorWarps;  // the producer warps of one tensor
+    for (int s = 0; s < L::kStages; ++s)
+      for (const bool v : {false, true}) {
+        ::cuda::ptx::mbarrier_init(bar.full(v) + s, 32 * kWarps + kWarps);  // the copies, each warp's lane 0
+        ::cuda::ptx::mbarrier_init(bar.empty(v) + s, 2 * kWarpgroup);
+      }
+    ::cuda::ptx::mbarrier_init(bar.q_full(), kWarpgroup + 1);
+    ::cuda::ptx::mbarrier_init(bar.q_empty(), 2 * kWarpgroup);
   }
   __syncthreads();
   allow_dependent_grids();
