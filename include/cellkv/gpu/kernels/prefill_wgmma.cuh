@@ -459,7 +459,8 @@ __device__ inline TileRange tiles_of(const QRows& rows, const WideSpan& span, in
 // under run-time conditions within a loop body (warning C7518).
 template <class T, int D, class Rows, class Work, class Item>
 __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int c, std::uint32_t base,
-                              const std::uint64_t* absent, const Item* item_slots, const PrefillBarriers<WgmmaPrefill<D>::kStages>& bar) {
+                              const std::uint64_t* absent, const Item* item_slots,
+                              const PrefillBarriers<WgmmaPrefill<D>::kStages>& bar) {
   using L = WgmmaPrefill<D>;
   using Cursor = RingCursor<L::kStages>;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
