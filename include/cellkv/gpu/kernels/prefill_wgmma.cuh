@@ -80,6 +80,24 @@ inline constexpr int kWideTile = 2 * kPrefillTile;
 constexpr bool wgmma_prefill_supports(int head_dim) { return head_dim == 64 || head_dim == 128 || head_dim == 256; }
 constexpr bool wgmma_shared_supports(int head_dim) { return head_dim == 64 || head_dim == 128; }
 
+// The barriers, in shared memory from `first` (one pointer, so that a producer thread keeps one):
+//   full_k[Stages]   count: the threads of the warps gathering K (async arrivals) + their lane 0s
+//   empty_k[Stages]  count: consumer threads
+//   full_v[Stages]   count: the same for V
+//   empty_v[Stages]  count: consumer threads
+//   q_full           count: producer threads (async arrivals) + producer thread 0 (the item slot)
+//   q_empty          count: consumer threads
+template <int Stages>
+struct PrefillBarriers {
+  static constexpr int kCount = 4 * Stages + 2;
+  std::uint64_t* first;
+  // The ring barriers of the K tiles (v: of the V tiles).
+  __device__ __forceinline__ std::uint64_t* full(bool v) const { return first + (v ? 2 * Stages : 0); }
+  __device__ __forceinline__ std::uint64_t* empty(bool v) const { return full(v) + Stages; }
+  __device__ __forceinline__ std::uint64_t* q_full() const { return first + 4 * Stages; }
+  __device__ __forceinline__ std::uint64_t* q_empty() const { return first + 4 * Stages + 1; }
+};
+
 // Shared-memory layout for head dim D (byte offsets from the 1024-aligned base). D = 256 reads KV
 // tiles of one table tile (64 positions): its 128 KB stage of two 128-position tiles would leave no
 // room for a second stage beside its 64 KB query tile.
@@ -99,27 +117,9 @@ struct WgmmaPrefill {
   static constexpr int kItemBytes = 128;  // one slot of the item descriptors (WgmmaItem)
   static constexpr int kItems = kAbsent + 16 * kStages;
   static constexpr int kBarriers = kItems + 2 * kItemBytes;
-  static constexpr int kBytes = kBarriers + 8 * (4 * kStages + 2);  // PrefillBarriers::kCount
+  static constexpr int kBytes = kBarriers + 8 * PrefillBarriers<kStages>::kCount;
   static constexpr int kAllocation = kBytes + 1024;  // room to align the base
   static_assert(kAllocation <= 232448, "fits the opt-in shared memory of a Hopper block (227 KB)");
-};
-
-// The barriers, in shared memory from `first` (one pointer, so that a producer thread keeps one):
-//   full_k[Stages]   count: the threads of the warps gathering K (async arrivals) + their lane 0s
-//   empty_k[Stages]  count: consumer threads
-//   full_v[Stages]   count: the same for V
-//   empty_v[Stages]  count: consumer threads
-//   q_full           count: producer threads (async arrivals) + producer thread 0 (the item slot)
-//   q_empty          count: consumer threads
-template <int Stages>
-struct PrefillBarriers {
-  static constexpr int kCount = 4 * Stages + 2;
-  std::uint64_t* first;
-  // The ring barriers of the K tiles (v: of the V tiles).
-  __device__ __forceinline__ std::uint64_t* full(bool v) const { return first + (v ? 2 * Stages : 0); }
-  __device__ __forceinline__ std::uint64_t* empty(bool v) const { return full(v) + Stages; }
-  __device__ __forceinline__ std::uint64_t* q_full() const { return first + 4 * Stages; }
-  __device__ __forceinline__ std::uint64_t* q_empty() const { return first + 4 * Stages + 1; }
 };
 
 // Named barriers of the consumer warpgroups' ping-pong (PingPong); 0 is __syncthreads, 1 the
