@@ -46,6 +46,10 @@ namespace cellkv::gpu::kernels {
 inline constexpr int kMergeFanIn = 8;   // parts one merge combines
 inline constexpr int kMergeLevels = 4;  // up to 8^4 parts per pair
 
+// fp8: the fp16 tiles a warp converts codes into for head dim D (DecodeTile::kDirectK, kDirectV): K and
+// V for D = 256, V for D = 64, none for D = 128.
+constexpr int fp8_converted_tiles(int head_dim) { return head_dim == 128 ? 0 : head_dim < 128 ? 1 : 2; }
+
 // Geometry of a decode tile for head dim D and stored elements of Bytes bytes (2: bf16 / fp16; 1:
 // fp8 codes): decode_tile_positions(D, Bytes) positions of K and of V.
 template <int D, int Bytes = 2>
@@ -60,9 +64,11 @@ struct DecodeTile {
   static constexpr std::uint32_t kScaleBytes = kFp8 ? kPositions * 4 : 0;  // one tensor's scales
   static constexpr std::uint32_t kStageBytes = 2 * (kBytes + kScaleBytes);
   // fp8, D <= 128: the score MMA reads its K operands straight from the staged codes (permuted head
-  // dimension, kernels/fp8_tiles.cuh qk_codes), so only V is converted to an fp16 tile.
+  // dimension, kernels/fp8_tiles.cuh qk_codes); D = 128: the value MMA its V operands too
+  // (pv_codes). What is not read in place is converted to fp16 tiles first.
   static constexpr bool kDirectK = kFp8 && D <= 128;
-  static constexpr std::uint32_t kComputeBytes = kFp8 ? (kDirectK ? 1 : 2) * kPositions * D * 2 : 0;  // fp16 tiles
+  static constexpr bool kDirectV = kFp8 && D == 128;
+  static constexpr std::uint32_t kComputeBytes = kFp8 ? fp8_converted_tiles(D) * kPositions * D * 2 : 0;  // fp16 tiles
   static constexpr int kNT = kPositions / 8;                       // MMA n-tiles of the scores
   static_assert(kPagePositions % kPositions == 0 && kPositions % 16 == 0 && kLoads * 32 == kPositions * kChunks);
 };
@@ -77,7 +83,7 @@ constexpr int decode_warp_smem_bytes(int head_dim, int stages, int element_bytes
   const int positions = decode_tile_positions(head_dim, element_bytes);
   const bool fp8 = element_bytes == 1;
   const int stage = 2 * (positions * head_dim * element_bytes + (fp8 ? positions * 4 : 0));
-  const int compute = fp8 ? (head_dim <= 128 ? 1 : 2) * positions * head_dim * 2 : 0;  // DecodeTile::kDirectK
+  const int compute = fp8 ? fp8_converted_tiles(head_dim) * positions * head_dim * 2 : 0;
   const int query = head_dim <= 128 ? 0 : kDecodeRows * head_dim * 2;
   return (stages * stage + compute + query + 127) / 128 * 128;
 }
@@ -268,9 +274,9 @@ struct RowFetch {
 // One warp's ring of KV stages in shared memory, filled by 16-byte cp.async copies gathered
 // through the tile's row ids (-1: a row nobody sees, zero-filled); one commit group per ring slot,
 // in ring order. bf16 / fp16: swizzled tiles the MMA reads. fp8: rows of codes (D bytes each) and
-// each row's K and V scale; convert_codes turns the V codes (and for D = 256 the K codes) into fp16
-// tiles after the stages, and for D <= 128 the score MMA reads the K codes where they landed (16-byte
-// chunks swizzled by CodeTile, so its 4-byte reads are free of bank conflicts).
+// each row's K and V scale; for D <= 128 the score MMA reads the K codes where they landed (16-byte
+// chunks swizzled by CodeTile, so its 4-byte reads are free of bank conflicts), for D = 128 the value
+// MMA the V codes (ValueCodeTile); convert_codes turns the others into fp16 tiles after the stages.
 template <int D, int Stages, int Bytes = 2>
 struct StageRing {
   using G = DecodeTile<D, Bytes>;
@@ -280,7 +286,8 @@ struct StageRing {
   __device__ std::uint32_t v(int s) const { return k(s) + G::kBytes; }
   __device__ std::uint32_t k_scales(int s) const { return k(s) + 2 * G::kBytes; }  // fp8: [kPositions] fp32
   __device__ std::uint32_t v_scales(int s) const { return k_scales(s) + G::kScaleBytes; }
-  // fp8: the fp16 tiles a stage's codes are converted into, after the stages (V only with kDirectK).
+  // fp8: the fp16 tiles a stage's codes are converted into, after the stages (V only with kDirectK,
+  // none with kDirectV).
   __device__ std::uint32_t k_half() const { return base + Stages * G::kStageBytes; }
   __device__ std::uint32_t v_half() const { return k_half() + (G::kDirectK ? 0 : G::kComputeBytes / 2); }
   // The query tile (D = 256), after everything else.
@@ -297,10 +304,11 @@ struct StageRing {
       const int id = __shfl_sync(0xffffffffu, ids[i / G::kChunks], r % 32);
       const std::int64_t off = id >= 0 ? pool.offset(id, hk) + chunk * kElemsPerChunk : 0;
       const std::uint32_t dst = G::kFp8 ? static_cast<std::uint32_t>(r * D + chunk * 16) : SwizzledTile<D>::offset(r, chunk);
-      std::uint32_t k_dst = dst;
+      std::uint32_t k_dst = dst, v_dst = dst;
       if constexpr (G::kDirectK) k_dst = CodeTile<D>::offset(r, chunk);
+      if constexpr (G::kDirectV) v_dst = ValueCodeTile<D>::offset(r, chunk);
       cp_async_16(k(s) + k_dst, pool.k + off, id >= 0, policy);
-      cp_async_16(v(s) + dst, pool.v + off, id >= 0, policy);
+      cp_async_16(v(s) + v_dst, pool.v + off, id >= 0, policy);
     }
     if constexpr (G::kFp8) {
 #pragma unroll
@@ -859,7 +867,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
       float s[G::kNT][4];
       auto qpos = [&](int r) { return p.qpos(r); };
       if constexpr (kFp8) {
-        if constexpr (G::kDirectK) {
+        if constexpr (G::kDirectV) {
+          qk_codes<D, G::kNT>(s, q, ring.k(cur), lane);
+        } else if constexpr (G::kDirectK) {
           convert_codes<D, G::kPositions>({ring.v(cur)}, {ring.v_half()}, lane);
           qk_codes<D, G::kNT>(s, q, ring.k(cur), lane);
           __syncwarp();  // the V tile, written by every lane, before pv reads it
@@ -874,7 +884,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
         mask_tile<G::kNT>(s, p.rows, qpos, key0, a.window, full, absent.pop(),
                           [&](int h, int n, int e) { return row_factor[h] * ks[n][e & 1]; }, lane);
         weigh_values<D, G::kNT>(s, st, vref, ring.v_scales(cur), lane);
-        pv<D, G::kNT, M>(st.o, s, ring.v_half(), 0, lane);
+        if constexpr (G::kDirectV) pv_codes<D, G::kNT>(st.o, s, ring.v(cur), lane);
+        else pv<D, G::kNT, M>(st.o, s, ring.v_half(), 0, lane);
       } else {
         qk<D, G::kNT, M>(s, q, ring.k(cur), 0, lane);
         mask_tile<G::kNT>(s, p.rows, qpos, key0, a.window, full, absent.pop(), a.scale_log2, lane);
@@ -883,6 +894,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
       }
 
       if (cc.t == cc.tiles - 1 || g == g1 - 1) {
+        if constexpr (G::kDirectV) unpermute_values<D>(st.o, lane);
         if constexpr (kFp8) {  // o x ref: the true weighted sum of the values (fp8_tiles.cuh)
 #pragma unroll
           for (int h = 0; h < 2; ++h) st.rescale(h, vref.ref[h]);

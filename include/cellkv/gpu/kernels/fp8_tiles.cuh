@@ -3,6 +3,8 @@
 //   convert_codes  staged tiles of codes [P][D] -> swizzled fp16 tiles (exact: every E4M3 value is
 //                  an fp16 value, so K and V enter the MMA unrounded)
 //   qk_codes       the score MMA reading K codes where they landed (D <= 128), no fp16 K tile
+//   pv_codes       the value MMA reading V codes where they landed (D = 128), no fp16 V tile;
+//                  unpermute_values puts its accumulator columns back in the usual order
 //   query_shift    the power of two that brings a query row into fp16 range
 //   ValueRef       the running reference of the weights p x v_scale a pair's rows have seen
 //
@@ -109,6 +111,85 @@ __device__ __forceinline__ void qk_codes(float (&s)[NT][4], const Q& q, std::uin
       mma_16816<__half>(s[n], a, b0, b1);
     }
   }
+}
+
+// Staged V codes the value MMA reads in place (D = 128): rows of D bytes whose 16-byte chunks are
+// swizzled (chunk ^ 2 ((row / 2) % 4)) so that the rows 2c + {0, 1, 8, 9} of a 16-position block the
+// four lanes c of a quad read at one word sit in distinct bank groups.
+template <int D>
+struct ValueCodeTile {
+  static_assert(D == 128, "V codes are read in place for D = 128");
+  static __device__ __forceinline__ std::uint32_t offset(int row, int chunk) {
+    return static_cast<std::uint32_t>(row * D + ((chunk ^ (2 * ((row >> 1) & 3))) * 16));
+  }
+};
+
+// o (16 rows x D, value-permuted columns) += P (16 rows x 8 NT positions) V, V read as codes from a
+// ValueCodeTile. The B operands of an MMA n-tile pair k indices (positions) 2c, 2c + 1 and 2c + 8,
+// 2c + 9 of one column; here n-tile 4 b + j, column n stands for head element 4 (n + 8 b) + j, so a
+// lane (column g = lane / 4, c = lane % 4) reads one 32-bit word (elements [4 (g + 8 b), + 4)) of
+// each of its four rows and pairs the rows' bytes per element (byte permutes) into the operands of
+// four n-tiles. Accumulator column 2c + e of n-tile 4 b + j is then head element
+// 32 b + 8 c + 4 e + j; unpermute_values brings o back to column 8 m + 2 c + e of n-tile m.
+template <int D, int NT>
+__device__ __forceinline__ void pv_codes(float (&o)[D / 8][4], const float (&p)[NT][4], std::uint32_t v_codes, int lane) {
+  const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int ks = 0; ks < NT / 2; ++ks) {
+    const std::uint32_t a[4] = {pack2<__half>(p[2 * ks][0], p[2 * ks][1]), pack2<__half>(p[2 * ks][2], p[2 * ks][3]),
+                                pack2<__half>(p[2 * ks + 1][0], p[2 * ks + 1][1]),
+                                pack2<__half>(p[2 * ks + 1][2], p[2 * ks + 1][3])};
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) {
+      std::uint32_t w[4];  // rows 16 ks + 2c, + 1, + 8, + 9 at word g + 8 b
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = 16 * ks + 2 * c + (i & 1) + 8 * (i >> 1);
+        asm volatile("ld.shared.u32 %0, [%1];\n"
+                     : "=r"(w[i])
+                     : "r"(v_codes + ValueCodeTile<D>::offset(row, (g >> 2) + 2 * b) + 4 * (g & 3)));
+      }
+      std::uint32_t b0[4], b1[4];  // element j's operands: rows (2c, 2c + 1) and (2c + 8, 2c + 9)
+      e4m3x4_to_half2x2(__byte_perm(w[0], w[1], 0x5140), b0[0], b0[1]);
+      e4m3x4_to_half2x2(__byte_perm(w[0], w[1], 0x7362), b0[2], b0[3]);
+      e4m3x4_to_half2x2(__byte_perm(w[2], w[3], 0x5140), b1[0], b1[1]);
+      e4m3x4_to_half2x2(__byte_perm(w[2], w[3], 0x7362), b1[2], b1[3]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mma_16816<__half>(o[4 * b + j], a, b0[j], b1[j]);
+    }
+  }
+}
+
+// o accumulated by pv_codes -> the usual accumulator order (column 8 m + 2 c + e of n-tile m). Per
+// row half h and 32-column block b, lane c holds the column pairs 32 b + 8 c + 2 q + {0, 1}, q < 4
+// (slot q), and needs the pairs 32 b + 8 m + 2 c + {0, 1}, m < 4 (slot m): a 4 x 4 transpose
+// within the quad, two rounds of exchanges with lane c ^ 1 and c ^ 2.
+template <int D>
+__device__ __forceinline__ void unpermute_values(float (&o)[D / 8][4], int lane) {
+  const int c = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) {
+      float2 x[4];  // slot q: (e, j) = (q / 2, 2 (q % 2)) and (q / 2, 2 (q % 2) + 1)
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        x[q] = make_float2(o[4 * b + 2 * (q & 1)][2 * h + (q >> 1)], o[4 * b + 2 * (q & 1) + 1][2 * h + (q >> 1)]);
+#pragma unroll
+      for (int k = 1; k <= 2; k *= 2) {
+        const bool up = (c & k) != 0;  // keeps the slots with bit k set, sends the others
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          if (q & k) continue;
+          const float2 send = up ? x[q] : x[q | k];
+          const float2 got = make_float2(__shfl_xor_sync(0xffffffffu, send.x, k), __shfl_xor_sync(0xffffffffu, send.y, k));
+          if (up) x[q] = got;
+          else x[q | k] = got;
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < 4; ++m) o[4 * b + m][2 * h] = x[m].x, o[4 * b + m][2 * h + 1] = x[m].y;
+    }
 }
 
 // The power of two s for a query row whose largest finite |q| is amax: amax x 2^s lands in
