@@ -81,15 +81,24 @@ __device__ __forceinline__ void qk(float (&s)[NT][4], const QFragments<D>& q, st
   }
 }
 
+// The A operands of O += P V for positions [16 ks, 16 ks + 16) of a tile, from its probabilities in
+// the accumulator layout (8-column blocks 2 ks and 2 ks + 1), as T.
+template <class T, int NT>
+__device__ __forceinline__ void probability_operands(std::uint32_t (&a)[4], const float (&p)[NT][4], int ks) {
+  a[0] = pack2<T>(p[2 * ks][0], p[2 * ks][1]);
+  a[1] = pack2<T>(p[2 * ks][2], p[2 * ks][3]);
+  a[2] = pack2<T>(p[2 * ks + 1][0], p[2 * ks + 1][1]);
+  a[3] = pack2<T>(p[2 * ks + 1][2], p[2 * ks + 1][3]);
+}
+
 // o (16 rows x D) += P (16 rows x 8 NT cells starting at cell0) V. VTile: the V tile's layout.
 template <int D, int NT, class T, class VTile = SwizzledTile<D>>
 __device__ __forceinline__ void pv(float (&o)[D / 8][4], const float (&p)[NT][4], std::uint32_t v_tile, int cell0,
                                    int lane) {
 #pragma unroll
   for (int ks = 0; ks < NT / 2; ++ks) {
-    const std::uint32_t a[4] = {pack2<T>(p[2 * ks][0], p[2 * ks][1]), pack2<T>(p[2 * ks][2], p[2 * ks][3]),
-                                pack2<T>(p[2 * ks + 1][0], p[2 * ks + 1][1]),
-                                pack2<T>(p[2 * ks + 1][2], p[2 * ks + 1][3])};
+    std::uint32_t a[4];
+    probability_operands<T>(a, p, ks);
 #pragma unroll
     for (int dd = 0; dd < D / 16; ++dd) {
       std::uint32_t b[4];

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 
+#include "cellkv/gpu/kernels/attention_tiles.cuh"
 #include "cellkv/gpu/kernels/mma.cuh"
 
 namespace cellkv::gpu::kernels {
@@ -136,9 +137,8 @@ __device__ __forceinline__ void pv_codes(float (&o)[D / 8][4], const float (&p)[
   const int g = lane >> 2, c = lane & 3;
 #pragma unroll
   for (int ks = 0; ks < NT / 2; ++ks) {
-    const std::uint32_t a[4] = {pack2<__half>(p[2 * ks][0], p[2 * ks][1]), pack2<__half>(p[2 * ks][2], p[2 * ks][3]),
-                                pack2<__half>(p[2 * ks + 1][0], p[2 * ks + 1][1]),
-                                pack2<__half>(p[2 * ks + 1][2], p[2 * ks + 1][3])};
+    std::uint32_t a[4];
+    probability_operands<__half>(a, p, ks);
 #pragma unroll
     for (int b = 0; b < D / 32; ++b) {
       std::uint32_t w[4];  // rows 16 ks + 2c, + 1, + 8, + 9 at word g + 8 b

@@ -352,12 +352,7 @@ __device__ __forceinline__ void issue_scores(float (&s)[Tile / 8][4], std::uint3
 template <class T, int N>
 __device__ __forceinline__ void pack_probabilities(std::uint32_t (&a)[N / 2][4], const float (&p)[N][4]) {
 #pragma unroll
-  for (int ks = 0; ks < N / 2; ++ks) {
-    a[ks][0] = pack2<T>(p[2 * ks][0], p[2 * ks][1]);
-    a[ks][1] = pack2<T>(p[2 * ks][2], p[2 * ks][3]);
-    a[ks][2] = pack2<T>(p[2 * ks + 1][0], p[2 * ks + 1][1]);
-    a[ks][3] = pack2<T>(p[2 * ks + 1][2], p[2 * ks + 1][3]);
-  }
+  for (int ks = 0; ks < N / 2; ++ks) probability_operands<T>(a[ks], p, ks);
 }
 
 // Issues o (64 x D, this thread's share) += P V over the V tile at v_tile, one group; a: P packed.
