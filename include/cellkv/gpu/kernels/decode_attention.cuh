@@ -77,8 +77,9 @@ struct DecodeTile {
 template <int D>
 inline constexpr bool kQueryInRegisters = D <= 128;
 
-// Per warp: `stages` x (K tile, V tile; fp8: then the K scales and V scales), for fp8 the fp16 K and
-// V tiles the codes are converted into, and for D = 256 the query tile; 128-byte aligned.
+// Per warp: `stages` x (K tile, V tile; fp8: then the K scales and V scales), for fp8 the fp16 tiles
+// the codes are converted into (fp8_converted_tiles), and for D = 256 the query tile; 128-byte
+// aligned.
 constexpr int decode_warp_smem_bytes(int head_dim, int stages, int element_bytes = 2) {
   const int positions = decode_tile_positions(head_dim, element_bytes);
   const bool fp8 = element_bytes == 1;
