@@ -11,6 +11,7 @@
 #include "cellkv/host_pool.hpp"
 #include "cellkv/layout.hpp"
 #include "cellkv/placement.hpp"
+#include "cellkv/plan_digest.hpp"
 #include "cellkv/position_table.hpp"
 #include "cellkv/position_table_view.hpp"
 #include "cellkv/prefix_sharing.hpp"
