@@ -158,19 +158,24 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm(const T* x, const T* gai
     y[base + i] = cellkv::gpu::from_float<T>(cellkv::gpu::to_float(x[base + i]) * inv * cellkv::gpu::to_float(gain[i]));
 }
 
-// parts[0..n_parts)[i] = sum over p of parts[p][i], for i < n: the in-place all-reduce of buffers
-// that share one device. Sums in rank order, accumulating in float.
+// s[i] = sum over p of parts[p][i], for i < n, in rank order, accumulating in float; written to
+// out[i], or with no out to parts[0..n_parts)[i] (the in-place all-reduce of buffers that share one
+// device).
 template <class T, int MaxParts>
 struct Parts {
   T* p[MaxParts];
 };
 template <class T, int MaxParts>
-__global__ void sum_parts(Parts<T, MaxParts> parts, std::int32_t n_parts, std::int64_t n) {
+__global__ void sum_parts(Parts<T, MaxParts> parts, std::int32_t n_parts, std::int64_t n, T* out = nullptr) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     float s = 0.f;
     for (std::int32_t r = 0; r < n_parts; ++r) s += cellkv::gpu::to_float(parts.p[r][i]);
-    for (std::int32_t r = 0; r < n_parts; ++r) parts.p[r][i] = cellkv::gpu::from_float<T>(s);
+    if (out != nullptr) {
+      out[i] = cellkv::gpu::from_float<T>(s);
+    } else {
+      for (std::int32_t r = 0; r < n_parts; ++r) parts.p[r][i] = cellkv::gpu::from_float<T>(s);
+    }
   }
 }
 }  // namespace kernels

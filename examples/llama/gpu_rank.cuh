@@ -1,6 +1,7 @@
 // llama/gpu_rank.cuh - one GPU's part of the example decoder: the forward over its heads and MLP
 // columns (the whole model when G = 1) and, on rank 0, the sampling of the step's logit rows on the
-// device (cellkv::batching::launch_sampler), so that only sampled ids come back to the host.
+// device (cellkv::batching::launch_sampler), so that only sampled ids come back to the host. Ranks
+// in processes of their own (a ProcessGroup) get rank 0's sampled ids broadcast within the step.
 //
 // Per layer: h = rmsnorm(x); q, k, v = h Wq_g, h Wk_g, h Wv_g; RoPE; attn = update_and_attend;
 // x = all_reduce(x + attn Wo_g) (rank 0 adds the residual, other ranks contribute attn Wo_g only);
@@ -59,6 +60,7 @@
 #include "all_reduce.cuh"
 #include "config.hpp"
 #include "gpu_kernels.cuh"
+#include "process_group.cuh"
 
 namespace llama {
 
@@ -80,6 +82,14 @@ struct GpuOptions {
   // GpuLlama / TpLlama): a decode-only step replays a graph without the prefill and shared-prefix
   // launches. Off: one graph per width serves every step (GraphScope::every_step).
   bool graph_per_step_kinds = true;
+  // Ranks in processes of their own (GpuLlama over a ProcessGroup): before each step, compare the
+  // digest of its plan (cellkv::plan_digest) across ranks and refuse a step whose plans differ. It
+  // waits for the previous steps, so it is on in debug builds (and the tests) and off otherwise.
+#ifdef NDEBUG
+  bool check_plans = false;
+#else
+  bool check_plans = true;
+#endif
 };
 
 struct GraphStats {
@@ -104,12 +114,15 @@ class GpuRank {
   static constexpr int kGemvRows = 16;  // the widest GEMV step
 
   // config, weights: this rank's slice (shard_config / shard_weights; the whole model for G = 1).
-  // reduce: the all-reduce over ranks, nullptr for one GPU. Throws on a CUDA or cuBLAS failure.
+  // reduce: the all-reduce over ranks, nullptr for one GPU. When it is a ProcessGroup (ranks in
+  // processes of their own), rank 0's sampled ids are broadcast to every rank in the step (graphs
+  // capture it), every rank's retire() returns them, and retire() waits through the group (bounded).
+  // Throws on a CUDA or cuBLAS failure.
   GpuRank(const Config& config, const Weights& weights, const Attention& attention, std::int32_t rank,
           std::int32_t max_width, cudaStream_t stream, AllReduce<T>* reduce, GpuOptions options)
       : c_(config), attention_(attention), rank_(rank), max_width_(max_width),
         rows_(std::max(max_width, static_cast<std::int32_t>(kGemvRows))), stream_(stream), reduce_(reduce),
-        options_(options), block_(rows_) {
+        group_(dynamic_cast<ProcessGroup<T>*>(reduce)), options_(options), block_(rows_) {
     if (reduce_ != nullptr && !reduce_->capturable()) options_.graphs = false;
     options_.max_gemv_width = std::clamp(options_.max_gemv_width, 0, static_cast<std::int32_t>(kGemvRows));
     options_.dependent_launch = options_.dependent_launch && cellkv::gpu::dependent_launch_supported();
@@ -172,12 +185,11 @@ class GpuRank {
     if (const cellkv::Status s = run(width); !s.ok()) return s;
     if (options_.profile) {
       CELLKV_CUDA_STATUS(cudaEventRecord(timing_[slot].forward.get(), stream_));
-      if (rank_ == 0)
-        if (const cellkv::Status s = sample(width); !s.ok()) return s;
+      if (const cellkv::Status s = sample_and_share(width); !s.ok()) return s;
       CELLKV_CUDA_STATUS(cudaEventRecord(timing_[slot].sampled.get(), stream_));
     }
     if (const cellkv::Status s = commit(::cuda::stream_ref(stream_)); !s.ok()) return s;
-    if (rank_ == 0 && samples > 0)
+    if ((rank_ == 0 || group_ != nullptr) && samples > 0)
       CELLKV_CUDA_STATUS(cudaMemcpyAsync(results_[slot].data(), sampled_.data(),
                                          static_cast<std::size_t>(samples) * sizeof(cellkv::batching::SampledOut),
                                          cudaMemcpyDeviceToHost, stream_));
@@ -190,14 +202,16 @@ class GpuRank {
     return {};
   }
 
-  // Waits for the oldest step in flight and writes its sampled ids and log-probs (rank 0).
+  // Waits for the oldest step in flight and writes its sampled ids and log-probs (rank 0, or every
+  // rank of a ProcessGroup).
   // Refuses bad_argument when no step is in flight or a size differs from its sampled rows.
   cellkv::Status retire(std::span<std::int32_t> tokens, std::span<float> logprobs) {
     if (head_ == next_) return cellkv::Errc::bad_argument;
     const std::size_t slot = head_ % kSlots;
     const auto n = static_cast<std::size_t>(counts_[slot]);
     if (tokens.size() != n || logprobs.size() != n) return cellkv::Errc::bad_argument;
-    if (const cellkv::Status s = done_[slot].synchronize(); !s.ok()) return s;
+    if (const cellkv::Status s = group_ != nullptr ? group_->wait(done_[slot].get()) : done_[slot].synchronize(); !s.ok())
+      return s;
     for (std::size_t i = 0; i < n; ++i) {
       tokens[i] = results_[slot].data()[i].token;
       logprobs[i] = results_[slot].data()[i].logprob;
@@ -306,8 +320,16 @@ class GpuRank {
 
   cellkv::Status forward_and_sample(std::int32_t width) {
     if (const cellkv::Status s = layers(width); !s.ok()) return s;
-    if (rank_ == 0 && !options_.profile) return sample(width);
+    if (!options_.profile) return sample_and_share(width);
     return {};
+  }
+
+  // Rank 0 samples; a ProcessGroup hands the sampled ids of every row to every rank.
+  cellkv::Status sample_and_share(std::int32_t width) {
+    if (rank_ == 0)
+      if (const cellkv::Status s = sample(width); !s.ok()) return s;
+    if (group_ == nullptr) return {};
+    return group_->broadcast(sampled_.data(), sampled_.size() * sizeof(cellkv::batching::SampledOut), stream_);
   }
 
   cellkv::Status sample(std::int32_t width) {
@@ -587,6 +609,7 @@ class GpuRank {
   std::int32_t rows_;  // activation rows: max_width, at least kGemvRows
   cudaStream_t stream_;
   AllReduce<T>* reduce_;
+  ProcessGroup<T>* group_;  // reduce_ when the ranks are processes, else nullptr
   GpuOptions options_;
   BlockLayout block_;
   int smem_limit_ = 0;

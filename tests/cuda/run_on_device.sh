@@ -29,5 +29,26 @@ nccl="$build/tests/cuda/cellkv-gpu-nccl-tests"
 # where P2P works.
 [ -x "$nccl" ] && check nccl-suite env NCCL_NVLS_ENABLE=0 NCCL_P2P_DISABLE="${NCCL_P2P_DISABLE:-1}" \
   bash -c '"$1"; rc=$?; [ $rc -eq 77 ] && exit 0; exit $rc' _ "$nccl"
+# Rank processes: the suite (ranks sharing GPU 0 through CUDA IPC), the NCCL one (77 with one GPU),
+# and two ranks of cellkv-tp-demo started by hand, each under memcheck and racecheck.
+[ -x "$build/tests/cuda/cellkv-gpu-procs-tests" ] && check procs-suite "$build/tests/cuda/cellkv-gpu-procs-tests"
+[ -x "$build/tests/cuda/cellkv-gpu-procs-nccl-tests" ] && check procs-nccl-suite env NCCL_NVLS_ENABLE=0 \
+  bash -c '"$1"; rc=$?; [ $rc -eq 77 ] && exit 0; exit $rc' _ "$build/tests/cuda/cellkv-gpu-procs-nccl-tests"
+ranks_under() {  # tool: two IPC ranks of the demo, each under compute-sanitizer
+  local dir; dir=$(mktemp -d)
+  local run=(timeout "$limit" compute-sanitizer --tool "$1" --error-exitcode 1 "$build/examples/cellkv-tp-demo"
+             --comm ipc --world 2 --rendezvous "file:$dir" --timeout-ms 300000)
+  "${run[@]}" --rank 1 > "$logs/ranks-$1-r1.log" 2>&1 &
+  local other=$!
+  "${run[@]}" --rank 0; local rc=$?
+  wait "$other" || rc=1
+  cat "$logs/ranks-$1-r1.log"
+  rm -rf "$dir"
+  return $rc
+}
+if [ -x "$build/examples/cellkv-tp-demo" ]; then
+  check ranks-memcheck ranks_under memcheck
+  check ranks-racecheck ranks_under racecheck
+fi
 [ -x "$build/examples/cellkv-gpu-steps" ] && check gpu-example "$build/examples/cellkv-gpu-steps"
 exit $status
