@@ -7,8 +7,12 @@
 
 #include <doctest/doctest.h>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -55,6 +59,21 @@ inline std::vector<Run> demos_at_once(const std::vector<std::string>& commands) 
 }
 
 inline bool has(const Run& r, const std::string& text) { return r.output.find(text) != std::string::npos; }
+
+// A TCP port for a tcp:HOST:PORT rendezvous that nothing listens on now (bound and released).
+inline std::string free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof a;
+  const bool bound = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+                     getsockname(fd, reinterpret_cast<sockaddr*>(&a), &size) == 0;
+  close(fd);
+  REQUIRE(bound);
+  return std::to_string(ntohs(a.sin_port));
+}
 
 // An empty directory for a file:DIR rendezvous, removed at the end of the scope.
 struct RendezvousDir {

@@ -110,7 +110,7 @@ TEST_CASE("procs: NCCL with one rank: the launcher's env rendezvous, file:DIR an
   CHECK(by_file.exit_status == 0);
   CHECK(has(by_file, kOk));
   CHECK(std::filesystem::exists(dir.path / "nccl-id"));  // rank 0 published NCCL's id there
-  const Run by_tcp = demo("--rank 0 --world 1 --eager --rendezvous tcp:127.0.0.1:29533");
+  const Run by_tcp = demo("--rank 0 --world 1 --eager --rendezvous tcp:127.0.0.1:" + free_port());
   INFO(by_tcp.output);
   CHECK(by_tcp.exit_status == 0);
   CHECK(has(by_tcp, kOk));

@@ -28,7 +28,7 @@ TEST_CASE("procs nccl: 2 processes, one GPU each, generate what the single-GPU m
 }
 
 TEST_CASE("procs nccl: ranks started by hand meet through tcp:HOST:PORT and file:DIR") {
-  const std::string tcp = std::string(CELLKV_TP_DEMO) + " --world 2 --rendezvous tcp:127.0.0.1:29544";
+  const std::string tcp = std::string(CELLKV_TP_DEMO) + " --world 2 --rendezvous tcp:127.0.0.1:" + free_port();
   auto runs = demos_at_once({tcp + " --rank 1", tcp + " --rank 0"});
   INFO(runs[0].output << runs[1].output);
   CHECK(runs[0].exit_status == 0);
