@@ -20,6 +20,7 @@
 //                         fails with an error naming what it waited for (default 30000)
 //   --check-plans on|off  compare each step's plan digest across ranks (default: on in debug builds)
 //   --die-at-step N       (tests) the last rank kills itself (SIGKILL) before step N
+//   --hang-at-step N      (tests) the last rank stops (sleeps for ever) before step N
 //   --diverge-at-step N   (tests) the last rank adds a session of its own before step N, so its
 //                         plans differ from the others'
 //
@@ -74,7 +75,7 @@ struct Options {
   bool eager = false;
   std::int32_t timeout_ms = 30000;
   std::optional<bool> check_plans;
-  std::int32_t die_at_step = -1, diverge_at_step = -1;
+  std::int32_t die_at_step = -1, hang_at_step = -1, diverge_at_step = -1;
   std::vector<std::string> passed_on;  // what every rank gets from the launcher
 };
 
@@ -82,7 +83,7 @@ int usage(const char* why) {
   std::fprintf(stderr,
                "cellkv-tp-demo: %s\nusage: cellkv-tp-demo --ranks G | --rank R --world G --rendezvous SPEC\n"
                "       [--comm nccl|ipc] [--layout cell|sequence] [--eager] [--timeout-ms N]\n"
-               "       [--check-plans on|off] [--die-at-step N] [--diverge-at-step N]\n",
+               "       [--check-plans on|off] [--die-at-step N] [--hang-at-step N] [--diverge-at-step N]\n",
                why);
   return 2;
 }
@@ -116,10 +117,13 @@ std::optional<Options> parse(int argc, char** argv) {
       if (v != "on" && v != "off") return std::nullopt;
       o.check_plans = v == "on";
       passed(start);
-    } else if (a == "--timeout-ms" || a == "--die-at-step" || a == "--diverge-at-step") {
+    } else if (a == "--timeout-ms" || a == "--die-at-step" || a == "--hang-at-step" || a == "--diverge-at-step") {
       const auto n = number();
       if (!n || *n < (a == "--timeout-ms" ? 1 : 0)) return std::nullopt;
-      (a == "--timeout-ms" ? o.timeout_ms : a == "--die-at-step" ? o.die_at_step : o.diverge_at_step) = *n;
+      (a == "--timeout-ms"     ? o.timeout_ms
+       : a == "--die-at-step"  ? o.die_at_step
+       : a == "--hang-at-step" ? o.hang_at_step
+                               : o.diverge_at_step) = *n;
       passed(start);
     } else {
       return std::nullopt;
@@ -133,9 +137,9 @@ std::optional<Options> parse(int argc, char** argv) {
 // with a temperature and its own seed, the others are greedy) and, after four steps, a fork of the
 // third. Returns every session's tokens in order.
 // The faults the tests inject into one rank: before step die_at it kills itself, before step
-// diverge_at it adds a session the other ranks do not have.
+// hang_at it stops for ever, before step diverge_at it adds a session the other ranks do not have.
 struct Faults {
-  std::int32_t die_at = -1, diverge_at = -1;
+  std::int32_t die_at = -1, hang_at = -1, diverge_at = -1;
 };
 
 template <class Model, class Cache>
@@ -152,6 +156,7 @@ cellkv::Result<Tokens> serve(Model& model, Cache& cache, Faults faults) {
   }
   for (std::int32_t step = 0;; ++step) {
     if (step == faults.die_at) raise(SIGKILL);
+    while (step == faults.hang_at) sleep(3600);
     if (step == faults.diverge_at) (void)exec.sessions().add(std::vector<std::int32_t>{1, 2, 3, 4}, 4);
     if (step == 4) ids.push_back(exec.sessions().clone(ids[2], 24).value());
     const auto r = exec.step();
@@ -229,7 +234,7 @@ int run_rank(const Options& o) {
     if (o.check_plans) options.check_plans = *o.check_plans;
     llama::GpuLlama<Cache<L>> model_rank(kConfig, weights, cache, stream.get(), *group, options);
     const bool last = w.rank == w.world - 1;
-    const auto served = serve(model_rank, cache, last ? Faults{o.die_at_step, o.diverge_at_step} : Faults{});
+    const auto served = serve(model_rank, cache, last ? Faults{o.die_at_step, o.hang_at_step, o.diverge_at_step} : Faults{});
     if (!served.ok()) {
       const std::string why = group->failure();
       std::fprintf(stderr, "rank %d: a step failed (%s)%s%s\n", w.rank, std::string(served.status().message()).c_str(),
@@ -290,7 +295,7 @@ int launch(const Options& o) {
                                  std::string("--rendezvous"), spec})
       args.push_back(a);
     return args;
-  }, std::chrono::milliseconds(o.timeout_ms + 10000));
+  }, std::chrono::milliseconds(o.timeout_ms + 5000));
   if (!dir.empty()) std::filesystem::remove_all(dir);
   bool ok = true;
   for (const llama::RankExit& e : exits) {

@@ -60,6 +60,17 @@ inline std::vector<Run> demos_at_once(const std::vector<std::string>& commands) 
 
 inline bool has(const Run& r, const std::string& text) { return r.output.find(text) != std::string::npos; }
 
+// Ranks started at once by hand, one command each: every one exits 0 and rank 0 (commands[zero])
+// prints the OK line.
+inline void ranks_by_hand_agree(const std::vector<std::string>& commands, std::size_t zero) {
+  const std::vector<Run> runs = demos_at_once(commands);
+  for (const Run& r : runs) {
+    INFO(r.output);
+    CHECK(r.exit_status == 0);
+  }
+  CHECK(has(runs[zero], kOk));
+}
+
 // A TCP port for a tcp:HOST:PORT rendezvous that nothing listens on now (bound and released).
 inline std::string free_port() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);

@@ -3,8 +3,8 @@
 // here: the launcher, the file rendezvous, rank 0's sampled ids broadcast to every rank, the plan
 // digest compared across ranks each step, bounded waits. Each run's tokens are checked by the demo
 // against the whole model on one GPU (the oracle); graphs and eager, both layouts, a fork, 2 and 4
-// ranks; ranks started by hand and by a job launcher's environment; a rank that dies, and ranks
-// whose plans diverge, end with the expected errors. NCCL itself runs with one rank (the env, file
+// ranks; ranks started by hand and by a job launcher's environment; a rank that dies, one that
+// hangs, and ranks whose plans diverge end with the expected errors. NCCL itself runs with one rank (the env, file
 // and tcp rendezvous); two NCCL ranks need two GPUs (test_procs_nccl.cu).
 #include <doctest/doctest.h>
 
@@ -49,11 +49,7 @@ TEST_CASE("procs: ranks started by hand, and from an mpirun-style environment, m
   {
     const RendezvousDir dir;
     const std::string common = std::string(CELLKV_TP_DEMO) + " --comm ipc --world 2 --rendezvous " + dir.spec();
-    const auto runs = demos_at_once({common + " --rank 1", common + " --rank 0"});
-    INFO(runs[0].output << runs[1].output);
-    CHECK(runs[0].exit_status == 0);
-    CHECK(runs[1].exit_status == 0);
-    CHECK(has(runs[1], kOk));
+    ranks_by_hand_agree({common + " --rank 1", common + " --rank 0"}, 1);
   }
   {
     const RendezvousDir dir;
@@ -61,11 +57,7 @@ TEST_CASE("procs: ranks started by hand, and from an mpirun-style environment, m
       return "OMPI_COMM_WORLD_RANK=" + std::to_string(r) + " OMPI_COMM_WORLD_SIZE=2 CELLKV_TP_RENDEZVOUS=" + dir.spec() +
              " " + CELLKV_TP_DEMO + " --comm ipc --layout sequence";
     };
-    const auto runs = demos_at_once({rank(0), rank(1)});
-    INFO(runs[0].output << runs[1].output);
-    CHECK(runs[0].exit_status == 0);
-    CHECK(runs[1].exit_status == 0);
-    CHECK(has(runs[0], kOk));
+    ranks_by_hand_agree({rank(0), rank(1)}, 0);
   }
 }
 
@@ -77,6 +69,17 @@ TEST_CASE("procs: a rank that dies makes the others fail within their timeout, w
   CHECK(has(r, "rank 0: a step failed"));
   CHECK(has(r, "rank 1 (pid"));  // rank 0 names the rank whose process is gone
   CHECK(!has(r, "killed by the launcher"));  // rank 0 ended on its own
+  CHECK(!has(r, kOk));
+}
+
+TEST_CASE("procs: a rank that hangs makes the others fail after their timeout; the launcher then kills it") {
+  const Run r = demo("--ranks 2 --comm ipc --hang-at-step 6 --timeout-ms 3000");
+  INFO(r.output);
+  CHECK(r.exit_status == 1);
+  CHECK(has(r, "rank 0: a step failed"));
+  CHECK(has(r, "within 3000 ms"));
+  CHECK(has(r, "cellkv tp demo: rank 0: exit 1"));
+  CHECK(has(r, "cellkv tp demo: rank 1: killed by the launcher"));
   CHECK(!has(r, kOk));
 }
 

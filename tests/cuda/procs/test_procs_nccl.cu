@@ -2,7 +2,7 @@
 // fewer): cellkv-tp-demo's ranks generate what the whole model does on one GPU (the demo checks
 // every token) with NCCL's defaults and with P2P disabled, graphs and eager, both layouts, with a
 // fork; ranks started by hand meet through tcp:HOST:PORT (NCCL's own bootstrap) and file:DIR; a
-// rank that dies makes the other abort its communicator and fail within its timeout.
+// rank that dies or hangs makes the other abort its communicator and fail within its timeout.
 #include <doctest/doctest.h>
 
 #include <string>
@@ -29,18 +29,10 @@ TEST_CASE("procs nccl: 2 processes, one GPU each, generate what the single-GPU m
 
 TEST_CASE("procs nccl: ranks started by hand meet through tcp:HOST:PORT and file:DIR") {
   const std::string tcp = std::string(CELLKV_TP_DEMO) + " --world 2 --rendezvous tcp:127.0.0.1:" + free_port();
-  auto runs = demos_at_once({tcp + " --rank 1", tcp + " --rank 0"});
-  INFO(runs[0].output << runs[1].output);
-  CHECK(runs[0].exit_status == 0);
-  CHECK(runs[1].exit_status == 0);
-  CHECK(has(runs[1], kOk));
+  ranks_by_hand_agree({tcp + " --rank 1", tcp + " --rank 0"}, 1);
   const RendezvousDir dir;
   const std::string file = std::string(CELLKV_TP_DEMO) + " --world 2 --layout sequence --rendezvous " + dir.spec();
-  runs = demos_at_once({file + " --rank 0", file + " --rank 1"});
-  INFO(runs[0].output << runs[1].output);
-  CHECK(runs[0].exit_status == 0);
-  CHECK(runs[1].exit_status == 0);
-  CHECK(has(runs[0], kOk));
+  ranks_by_hand_agree({file + " --rank 0", file + " --rank 1"}, 0);
 }
 
 TEST_CASE("procs nccl: a rank that dies makes the other fail within its timeout") {
@@ -50,5 +42,15 @@ TEST_CASE("procs nccl: a rank that dies makes the other fail within its timeout"
   CHECK(has(r, "cellkv tp demo: rank 1: killed by signal 9"));
   CHECK(has(r, "rank 0: a step failed"));
   CHECK(!has(r, "killed by the launcher"));
+  CHECK(!has(r, kOk));
+}
+
+TEST_CASE("procs nccl: a rank that hangs makes the other abort its communicator and fail after its timeout") {
+  const Run r = demo("--ranks 2 --hang-at-step 6 --timeout-ms 5000");
+  INFO(r.output);
+  CHECK(r.exit_status == 1);
+  CHECK(has(r, "rank 0: a step failed"));
+  CHECK(has(r, "communicator aborted"));
+  CHECK(has(r, "cellkv tp demo: rank 1: killed by the launcher"));
   CHECK(!has(r, kOk));
 }
