@@ -3,8 +3,9 @@
 // Satisfies cellkv::batching::Model: forward() enqueues a step on the model's stream and returns;
 // retire() waits for the oldest step's sampled ids. tp_llama.cuh is the same model split over
 // several GPUs driven by threads of one process; GpuLlama over a ProcessGroup is one rank of it in
-// a process of its own (one process per GPU, cellkv-tp-demo). The model computes in Cache::Element (fp32, bf16 or fp16); the cache stores K/V as
-// Cache::Storage: that same type, or gpu::Fp8<Element> (E4M3 codes, quantized by the cache's write).
+// a process of its own (one process per GPU, cellkv-tp-demo). The model computes in Cache::Element
+// (fp32, bf16 or fp16); the cache stores K/V as Cache::Storage: that same type, or
+// gpu::Fp8<Element> (E4M3 codes, quantized by the cache's write).
 #pragma once
 
 #include <cellkv/batching/model.hpp>

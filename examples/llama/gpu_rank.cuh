@@ -84,7 +84,8 @@ struct GpuOptions {
   bool graph_per_step_kinds = true;
   // Ranks in processes of their own (GpuLlama over a ProcessGroup): before each step, compare the
   // digest of its plan (cellkv::plan_digest) across ranks and refuse a step whose plans differ. It
-  // waits for the previous steps, so it is on in debug builds (and the tests) and off otherwise.
+  // waits for the previous steps, so it is off where NDEBUG is defined (meson -Db_ndebug=true or
+  // if-release) and on otherwise; the tests turn it on.
 #ifdef NDEBUG
   bool check_plans = false;
 #else
