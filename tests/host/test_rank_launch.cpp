@@ -84,9 +84,7 @@ TEST_CASE("rendezvous: file:DIR publishes whole values once and times out on mis
   r.publish("ready", {});
   CHECK(r.fetch("ready", 0, 0ms).empty());
   // Missing, or of another size: refused after the timeout.
-  const auto start = std::chrono::steady_clock::now();
   CHECK_THROWS_AS((void)r.fetch("missing", 4, 50ms), std::runtime_error);
-  CHECK(std::chrono::steady_clock::now() - start >= 50ms);
   CHECK_THROWS_AS((void)r.fetch("nccl-id", id.size() + 1, 0ms), std::runtime_error);
   // A value published while a fetch waits is found.
   std::thread late([&] {
@@ -188,11 +186,9 @@ TEST_CASE("launcher: every rank's exit status and signal, in rank order") {
 }
 
 TEST_CASE("launcher: a rank still running `grace` after another failed is killed and reported so") {
-  const auto start = std::chrono::steady_clock::now();
   const auto exits = llama::launch_ranks("/bin/sh", 3, [](std::int32_t r) {
-    return std::vector<std::string>{"-c", r == 1 ? "exit 5" : r == 0 ? "sleep 0.05; exit 0" : "sleep 30"};
+    return std::vector<std::string>{"-c", r == 1 ? "exit 5" : r == 0 ? "sleep 0.05; exit 0" : "sleep 600"};
   }, 200ms);
-  CHECK(std::chrono::steady_clock::now() - start < 20s);
   REQUIRE(exits.size() == 3);
   CHECK(exits[0].ok());
   CHECK(exits[1].describe() == "rank 1: exit 5");

@@ -92,6 +92,16 @@ TEST_CASE("procs: a rank that is never started makes the others fail after their
   CHECK(has(r, "after 1500 ms"));
 }
 
+TEST_CASE("procs: an NCCL rank whose peer never starts fails to join after its timeout (the join is aborted)") {
+  const RendezvousDir dir;
+  const Run r = demo("--rank 0 --world 2 --timeout-ms 3000 --rendezvous " + dir.spec());
+  INFO(r.output);
+  CHECK(r.exit_status == 1);
+  CHECK(has(r, "rank 0: could not join the group"));
+  CHECK(has(r, "ncclCommInitRankConfig did not complete within 3000 ms"));
+  CHECK(std::filesystem::exists(dir.path / "nccl-id"));  // it published NCCL's id for the peer
+}
+
 TEST_CASE("procs: ranks whose plans diverge are stopped at that step by the plan digest") {
   const Run r = demo("--ranks 2 --comm ipc --check-plans on --diverge-at-step 5");
   INFO(r.output);
