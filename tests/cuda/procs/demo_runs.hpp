@@ -60,6 +60,24 @@ inline std::vector<Run> demos_at_once(const std::vector<std::string>& commands) 
 
 inline bool has(const Run& r, const std::string& text) { return r.output.find(text) != std::string::npos; }
 
+// cellkv-tp-demo with `args` (and `env` assignments) ends with exit status `status` and prints
+// every text of `printed` and none of `absent`; a run that ends in failure never prints the OK line.
+inline void check_ends(const std::string& args, int status, const std::vector<std::string>& printed,
+                       const std::vector<std::string>& absent = {}, const std::string& env = "") {
+  const Run r = demo(args, env);
+  INFO(env << " " << args << ": " << r.output);
+  CHECK(r.exit_status == status);
+  for (const std::string& text : printed) {
+    INFO("printed: " << text);
+    CHECK(has(r, text));
+  }
+  for (const std::string& text : absent) {
+    INFO("not printed: " << text);
+    CHECK(!has(r, text));
+  }
+  if (status != 0) CHECK(!has(r, kOk));
+}
+
 // Ranks started at once by hand, one command each: every one exits 0 and rank 0 (commands[zero])
 // prints the OK line.
 inline void ranks_by_hand_agree(const std::vector<std::string>& commands, std::size_t zero) {

@@ -21,28 +21,17 @@ using namespace cellkv::test::procs;
 }  // namespace
 
 TEST_CASE("procs: 2 ranks on one GPU (CUDA IPC) generate what the single-GPU model does") {
-  for (const char* layout : {"cell", "sequence"})
-    for (const char* mode : {"", "--eager"}) {
-      const Run r = demo(std::string("--ranks 2 --comm ipc --check-plans on --layout ") + layout + " " + mode);
-      INFO(r.output);
-      CHECK(r.exit_status == 0);
-      CHECK(has(r, kOk));
-      CHECK(has(r, std::string("2 ranks over CUDA IPC on one GPU, ") + layout + " layout"));
-      if (std::string(mode).empty()) {
-        CHECK(has(r, "CUDA graphs; "));
-        CHECK(!has(r, " 0 replays"));  // steps replayed captured graphs (the broadcast and meetings inside)
-      } else {
-        CHECK(has(r, "eager; "));
-      }
-    }
+  for (const std::string layout : {"cell", "sequence"}) {
+    const std::string ranks = "2 ranks over CUDA IPC on one GPU, " + layout + " layout, ";
+    // Graphs: steps replay captured graphs, the broadcast and the meetings inside them.
+    check_ends("--ranks 2 --comm ipc --check-plans on --layout " + layout, 0, {kOk, ranks + "CUDA graphs; "},
+               {" 0 replays"});
+    check_ends("--ranks 2 --comm ipc --check-plans on --eager --layout " + layout, 0, {kOk, ranks + "eager; "});
+  }
 }
 
 TEST_CASE("procs: 4 ranks on one GPU generate what the single-GPU model does") {
-  const Run r = demo("--ranks 4 --comm ipc --check-plans on");
-  INFO(r.output);
-  CHECK(r.exit_status == 0);
-  CHECK(has(r, kOk));
-  CHECK(has(r, "4 ranks over CUDA IPC"));
+  check_ends("--ranks 4 --comm ipc --check-plans on", 0, {kOk, "4 ranks over CUDA IPC"});
 }
 
 TEST_CASE("procs: ranks started by hand, and from an mpirun-style environment, meet through file:DIR") {
@@ -62,94 +51,50 @@ TEST_CASE("procs: ranks started by hand, and from an mpirun-style environment, m
 }
 
 TEST_CASE("procs: a rank that dies makes the others fail within their timeout, with an error naming it") {
-  const Run r = demo("--ranks 2 --comm ipc --die-at-step 6 --timeout-ms 5000");
-  INFO(r.output);
-  CHECK(r.exit_status == 1);
-  CHECK(has(r, "cellkv tp demo: rank 1: killed by signal 9"));
-  CHECK(has(r, "rank 0: a step failed"));
-  CHECK(has(r, "rank 1 (pid"));  // rank 0 names the rank whose process is gone
-  CHECK(!has(r, "killed by the launcher"));  // rank 0 ended on its own
-  CHECK(!has(r, kOk));
+  // Rank 0 names the rank whose process is gone and ends on its own (the launcher kills nobody).
+  check_ends("--ranks 2 --comm ipc --die-at-step 6 --timeout-ms 5000", 1,
+             {"cellkv tp demo: rank 1: killed by signal 9", "rank 0: a step failed", "rank 1 (pid"},
+             {"killed by the launcher"});
 }
 
 TEST_CASE("procs: a rank that hangs makes the others fail after their timeout; the launcher then kills it") {
-  const Run r = demo("--ranks 2 --comm ipc --hang-at-step 6 --timeout-ms 3000");
-  INFO(r.output);
-  CHECK(r.exit_status == 1);
-  CHECK(has(r, "rank 0: a step failed"));
-  CHECK(has(r, "within 3000 ms"));
-  CHECK(has(r, "cellkv tp demo: rank 0: exit 1"));
-  CHECK(has(r, "cellkv tp demo: rank 1: killed by the launcher"));
-  CHECK(!has(r, kOk));
+  check_ends("--ranks 2 --comm ipc --hang-at-step 6 --timeout-ms 3000", 1,
+             {"rank 0: a step failed", "within 3000 ms", "cellkv tp demo: rank 0: exit 1",
+              "cellkv tp demo: rank 1: killed by the launcher"});
 }
 
 TEST_CASE("procs: a rank that is never started makes the others fail after their timeout") {
   const RendezvousDir dir;
-  const Run r = demo("--comm ipc --rank 0 --world 2 --timeout-ms 1500 --rendezvous " + dir.spec());
-  INFO(r.output);
-  CHECK(r.exit_status == 1);
-  CHECK(has(r, "rank 0: could not join the group"));
-  CHECK(has(r, "after 1500 ms"));
-}
-
-TEST_CASE("procs: an NCCL rank whose peer never starts fails to join after its timeout (the join is aborted)") {
-  const RendezvousDir dir;
-  const Run r = demo("--rank 0 --world 2 --timeout-ms 3000 --rendezvous " + dir.spec());
-  INFO(r.output);
-  CHECK(r.exit_status == 1);
-  CHECK(has(r, "rank 0: could not join the group"));
-  CHECK(has(r, "ncclCommInitRankConfig did not complete within 3000 ms"));
-  CHECK(std::filesystem::exists(dir.path / "nccl-id"));  // it published NCCL's id for the peer
+  check_ends("--comm ipc --rank 0 --world 2 --timeout-ms 1500 --rendezvous " + dir.spec(), 1,
+             {"rank 0: could not join the group", "after 1500 ms"});
+  // Over NCCL: rank 0 publishes NCCL's id for its peer, then aborts the join when the timeout passes.
+  const RendezvousDir nccl_dir;
+  check_ends("--rank 0 --world 2 --timeout-ms 3000 --rendezvous " + nccl_dir.spec(), 1,
+             {"rank 0: could not join the group", "ncclCommInitRankConfig did not complete within 3000 ms"});
+  CHECK(std::filesystem::exists(nccl_dir.path / "nccl-id"));
 }
 
 TEST_CASE("procs: ranks whose plans diverge are stopped at that step by the plan digest") {
-  const Run r = demo("--ranks 2 --comm ipc --check-plans on --diverge-at-step 5");
-  INFO(r.output);
-  CHECK(r.exit_status == 1);
-  CHECK(has(r, "rank 0: the ranks' step plans differ"));
-  CHECK(has(r, "rank 1: the ranks' step plans differ"));
-  CHECK(!has(r, kOk));
+  check_ends("--ranks 2 --comm ipc --check-plans on --diverge-at-step 5", 1,
+             {"rank 0: the ranks' step plans differ", "rank 1: the ranks' step plans differ"});
 }
 
 TEST_CASE("procs: NCCL with one rank: the launcher's env rendezvous, file:DIR and tcp:HOST:PORT") {
-  const Run launched = demo("--ranks 1 --check-plans on");
-  INFO(launched.output);
-  CHECK(launched.exit_status == 0);
-  CHECK(has(launched, "1 ranks over NCCL"));
-  CHECK(has(launched, kOk));
+  check_ends("--ranks 1 --check-plans on", 0, {kOk, "1 ranks over NCCL"});
   const RendezvousDir dir;
-  const Run by_file = demo("--rank 0 --world 1 --layout sequence --rendezvous " + dir.spec());
-  INFO(by_file.output);
-  CHECK(by_file.exit_status == 0);
-  CHECK(has(by_file, kOk));
+  check_ends("--rank 0 --world 1 --layout sequence --rendezvous " + dir.spec(), 0, {kOk});
   CHECK(std::filesystem::exists(dir.path / "nccl-id"));  // rank 0 published NCCL's id there
-  const Run by_tcp = demo("--rank 0 --world 1 --eager --rendezvous tcp:127.0.0.1:" + free_port());
-  INFO(by_tcp.output);
-  CHECK(by_tcp.exit_status == 0);
-  CHECK(has(by_tcp, kOk));
+  check_ends("--rank 0 --world 1 --eager --rendezvous tcp:127.0.0.1:" + free_port(), 0, {kOk});
 }
 
 TEST_CASE("procs: bad arguments and worlds the machine or the model cannot hold are refused") {
   for (const char* bad : {"", "--ranks 0", "--ranks 65", "--ranks x", "--comm mpi --ranks 2", "--layout paged --ranks 2",
                           "--rank 2 --world 2 --rendezvous env", "--rank 0 --world 2", "--rank 0 --world 2 --rendezvous nfs:/x",
-                          "--ranks 2 --rank 0 --world 2", "--timeout-ms 0 --ranks 2", "--check-plans maybe --ranks 2"}) {
-    const Run r = demo(bad);
-    INFO(bad << ": " << r.output);
-    CHECK(r.exit_status == 2);
-    CHECK(has(r, "usage: cellkv-tp-demo"));
-  }
+                          "--ranks 2 --rank 0 --world 2", "--timeout-ms 0 --ranks 2", "--check-plans maybe --ranks 2"})
+    check_ends(bad, 2, {"usage: cellkv-tp-demo"});
   // 3 ranks do not split the model's 4 KV heads: every rank refuses, the launcher reports it.
-  const Run three = demo("--ranks 3 --comm ipc");
-  INFO(three.output);
-  CHECK(three.exit_status == 1);
-  CHECK(has(three, "3 ranks do not split 4 KV heads"));
-  CHECK(has(three, "rank 0: exit 2"));
+  check_ends("--ranks 3 --comm ipc", 1, {"3 ranks do not split 4 KV heads", "rank 0: exit 2"});
   int devices = 0;
   REQUIRE(cudaGetDeviceCount(&devices) == cudaSuccess);
-  if (devices < 2) {  // NCCL needs a GPU per rank
-    const Run nccl = demo("--ranks 2");
-    INFO(nccl.output);
-    CHECK(nccl.exit_status == 77);
-    CHECK(has(nccl, "need 2 GPUs"));
-  }
+  if (devices < 2) check_ends("--ranks 2", 77, {"need 2 GPUs"});  // NCCL needs a GPU per rank
 }

@@ -17,14 +17,9 @@ using namespace cellkv::test::procs;
 
 TEST_CASE("procs nccl: 2 processes, one GPU each, generate what the single-GPU model does") {
   for (const char* env : {"", "NCCL_P2P_DISABLE=1"})
-    for (const char* layout : {"cell", "sequence"})
-      for (const char* mode : {"", "--eager"}) {
-        const Run r = demo(std::string("--ranks 2 --check-plans on --layout ") + layout + " " + mode, env);
-        INFO(env << " " << layout << " " << mode << ": " << r.output);
-        CHECK(r.exit_status == 0);
-        CHECK(has(r, kOk));
-        CHECK(has(r, "2 ranks over NCCL"));
-      }
+    for (const std::string layout : {"cell", "sequence"})
+      for (const std::string mode : {"", " --eager"})
+        check_ends("--ranks 2 --check-plans on --layout " + layout + mode, 0, {kOk, "2 ranks over NCCL"}, {}, env);
 }
 
 TEST_CASE("procs nccl: ranks started by hand meet through tcp:HOST:PORT and file:DIR") {
@@ -36,21 +31,11 @@ TEST_CASE("procs nccl: ranks started by hand meet through tcp:HOST:PORT and file
 }
 
 TEST_CASE("procs nccl: a rank that dies makes the other fail within its timeout") {
-  const Run r = demo("--ranks 2 --die-at-step 6 --timeout-ms 5000");
-  INFO(r.output);
-  CHECK(r.exit_status == 1);
-  CHECK(has(r, "cellkv tp demo: rank 1: killed by signal 9"));
-  CHECK(has(r, "rank 0: a step failed"));
-  CHECK(!has(r, "killed by the launcher"));
-  CHECK(!has(r, kOk));
+  check_ends("--ranks 2 --die-at-step 6 --timeout-ms 5000", 1,
+             {"cellkv tp demo: rank 1: killed by signal 9", "rank 0: a step failed"}, {"killed by the launcher"});
 }
 
 TEST_CASE("procs nccl: a rank that hangs makes the other abort its communicator and fail after its timeout") {
-  const Run r = demo("--ranks 2 --hang-at-step 6 --timeout-ms 5000");
-  INFO(r.output);
-  CHECK(r.exit_status == 1);
-  CHECK(has(r, "rank 0: a step failed"));
-  CHECK(has(r, "communicator aborted"));
-  CHECK(has(r, "cellkv tp demo: rank 1: killed by the launcher"));
-  CHECK(!has(r, kOk));
+  check_ends("--ranks 2 --hang-at-step 6 --timeout-ms 5000", 1,
+             {"rank 0: a step failed", "communicator aborted", "cellkv tp demo: rank 1: killed by the launcher"});
 }
