@@ -18,7 +18,7 @@
 //   --eager               no CUDA graphs (each step's kernels launched one by one)
 //   --timeout-ms N        how long a rank waits for the others to join, or for a step, before it
 //                         fails with an error naming what it waited for (default 30000)
-//   --check-plans on|off  compare each step's plan digest across ranks (default: on in debug builds)
+//   --check-plans on|off  compare each step's plan digest across ranks (default: on unless NDEBUG)
 //   --die-at-step N       (tests) the last rank kills itself (SIGKILL) before step N
 //   --hang-at-step N      (tests) the last rank stops (sleeps for ever) before step N
 //   --diverge-at-step N   (tests) the last rank adds a session of its own before step N, so its
