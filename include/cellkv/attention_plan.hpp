@@ -7,8 +7,9 @@
 // are: placement only changes which rows the kernels gather.
 //
 // Per window buffer, the plan holds:
-//   decode   the segments whose rows (len x group) fit one decode item (<= kDecodeRows), in step
-//            order, with the prefix sums of their tile counts. The decode kernel splits the
+//   decode   the segments whose rows (len x group) fit one decode item (<= AttentionShape::
+//            decode_rows: kDecodeRows, or kDecodeColumnRows for the fp8 kernel that puts positions
+//            on the MMA's M side; longer segments are prefilled), in step order, with the prefix sums of their tile counts. The decode kernel splits the
 //            sequence of (segment, KV head, tile) evenly over its workers (decode_chunk), so any
 //            mix of lengths keeps every worker equally busy; a (segment, head) cut by a chunk
 //            boundary is finished by merging the parts' partial softmax (part_slot, parts_of).
@@ -29,7 +30,11 @@
 
 namespace cellkv {
 
-inline constexpr std::int32_t kDecodeRows = 16;   // query rows (token x head) of a decode item
+inline constexpr std::int32_t kDecodeRows = 16;   // query rows (token x head) of a decode item, at most
+// Query rows of a decode item of the fp8 decode kernel at D = 128 whose MMAs take a pair's query rows
+// as their N = 8 columns (kernels/fp8_columns.cuh): the kernel that runs for fp8 pools at D = 128 when
+// H_q / H_kv <= 8.
+inline constexpr std::int32_t kDecodeColumnRows = 8;
 // Query rows of a prefill item (AttentionShape::prefill_rows), the rows one block of the prefill
 // kernel that runs takes at once: kPrefillRows for the Hopper kernel (two warpgroups of 64 rows
 // share each K/V tile), kMinPrefillRows for the mma.sync kernel (one pass of its block). The step
@@ -86,6 +91,7 @@ struct AttentionShape {
   // Query rows of a prefill item (>= kMinPrefillRows); by default the smaller item, which every
   // prefill kernel takes whole (the Hopper kernel would write rows of overlapping items twice).
   std::int32_t prefill_rows = kMinPrefillRows;
+  std::int32_t decode_rows = kDecodeRows;  // query rows of a decode item (kDecodeRows or kDecodeColumnRows)
 };
 
 // Query rows [row0, row0 + rows) of one segment; row r is token r / group, head r % group.
@@ -106,9 +112,11 @@ struct WindowWork {
   CELLKV_HOST_DEVICE std::int32_t longest_decode_pair() const noexcept { return counts[2]; }
 };
 
-// Whether a segment is decoded (its rows fit one decode item) rather than prefilled.
-CELLKV_HOST_DEVICE constexpr bool is_decode(const Segment& s, std::int32_t group) noexcept {
-  return static_cast<std::int64_t>(s.len) * group <= kDecodeRows;
+// Whether a segment is decoded (its rows fit one decode item of decode_rows rows) rather than
+// prefilled.
+CELLKV_HOST_DEVICE constexpr bool is_decode(const Segment& s, std::int32_t group,
+                                            std::int32_t decode_rows = kDecodeRows) noexcept {
+  return static_cast<std::int64_t>(s.len) * group <= decode_rows;
 }
 
 // Prefill items a step of max_write tokens can need with items of kMinPrefillRows rows or more:
@@ -143,7 +151,7 @@ inline void plan_window(std::span<const Segment> segments, const std::int32_t* o
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const Segment& s = segments[i];
     if (i < finished.size() && finished[i] != 0) continue;
-    if (is_decode(s, shape.group)) {
+    if (is_decode(s, shape.group, shape.decode_rows)) {
       out.decode_seg[decode] = static_cast<std::int32_t>(i);
       out.decode_prefix[decode++] = tiles;
       const std::int32_t n = tiles_seen(window, s.pos0, s.pos0 + s.len - 1, shape.decode_tile, own_begin ? own_begin[i] : 0).count;

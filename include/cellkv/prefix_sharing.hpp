@@ -115,6 +115,7 @@ struct SharingShape {
   // Finished rows (tokens x H_q) a step may hold, at most: when its qualifying segments have more,
   // none is finished (the decode kernel then serves them all, faster than a finish spread too thin).
   std::int32_t finish_rows = 0;
+  std::int32_t decode_rows = kDecodeRows;  // query rows of a decode item (AttentionShape::decode_rows)
 };
 
 // The most own positions a finished token may read (one per lane of the warp that reads them).

@@ -144,7 +144,7 @@ class SharingPlanner {
   [[nodiscard]] bool finishable(std::size_t i, const SharingShape& shape, const SharedWork& out) const {
     const Segment& s = segments_[i];
     const std::int32_t own = s.pos0 + s.len - out.own_begin[i];  // positions [own_begin, last query]
-    return out.finished != nullptr && is_decode(s, shape.group) && out.own_begin[i] > 0 &&
+    return out.finished != nullptr && is_decode(s, shape.group, shape.decode_rows) && out.own_begin[i] > 0 &&
            own <= std::min(shape.finish_own, kMaxFinishOwn);
   }
   // The tokens of the finishable segments (their own slots), 0 when their rows would pass

@@ -567,6 +567,9 @@ TEST_CASE("fp8 attention: the reference kernel and the automatic choice against 
     attention_run<Cells<bf16>>(4, 1, 128, kernels, kStatic, 12);                            // GQA 4, static scales
     attention_run<Cells<__half, placement::clustered<64>>>(8, 1, 256, kernels, Fp8Config{}, 13);  // GQA 8
     attention_run<Cells<bf16, placement::clustered<64>>>(16, 2, 128, kernels, Fp8Config{}, 14);  // GQA 8
+    // D 128 runs the columns decode kernel up to GQA 8 (items of 8 rows: T >= 3 at GQA 4 is
+    // prefilled); GQA 16 the row form with items of 16 rows.
+    attention_run<Cells<bf16>>(16, 1, 128, kernels, Fp8Config{}, 18);  // GQA 16
     attention_run<Slots<bf16>>(8, 2, 64, kernels, Fp8Config{}, 15);
     attention_run<Slots<__half>>(4, 1, 256, kernels, kStatic, 16);
     attention_run<Slots<bf16>>(2, 2, 128, kernels, Fp8Config{}, 17);

@@ -34,6 +34,9 @@ TEST_CASE("decode work: segments, tile prefix sums and the longest segment, agai
   std::mt19937 rng(11);
   for (int trial = 0; trial < 300; ++trial) {
     CAPTURE(trial);
+    // Decode items of 16 rows, or of 8 (the fp8 kernel with positions on the MMA's M side).
+    const std::int32_t decode_rows = trial % 2 == 0 ? kDecodeRows : kDecodeColumnRows;
+    CAPTURE(decode_rows);
     const std::int32_t group = std::vector<std::int32_t>{1, 2, 4, 8}[rng() % 4];
     const std::int32_t tile = std::vector<std::int32_t>{16, 32, 64}[rng() % 3];
     const std::int32_t window = std::vector<std::int32_t>{0, 7, 100, 1000}[rng() % 4];
@@ -50,11 +53,11 @@ TEST_CASE("decode work: segments, tile prefix sums and the longest segment, agai
     const auto w = segments.size();
     std::vector<std::int32_t> counts(3, -1), decode_seg(w, -1), decode_prefix(w + 1, -1);
     std::vector<PrefillItem> prefill(static_cast<std::size_t>(max_prefill_items(static_cast<std::int32_t>(40 * w), group)));
-    plan_window(segments, own_begin.data(), window, {group, tile},
+    plan_window(segments, own_begin.data(), window, {group, tile, kMinPrefillRows, decode_rows},
                 WindowWork{counts.data(), decode_seg.data(), decode_prefix.data(), prefill.data()});
     std::int32_t decode = 0, tiles = 0, longest = 0;
     for (std::size_t i = 0; i < w; ++i) {
-      if (segments[i].len * group > kDecodeRows) continue;
+      if (segments[i].len * group > decode_rows) continue;
       CHECK(decode_seg[static_cast<std::size_t>(decode)] == static_cast<std::int32_t>(i));
       CHECK(decode_prefix[static_cast<std::size_t>(decode)] == tiles);
       const std::int32_t n = tiles_by_brute_force(segments[i], window, tile, own_begin[i]);
@@ -73,6 +76,8 @@ TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's ro
   for (int trial = 0; trial < 400; ++trial) {
     CAPTURE(trial);
     const std::int32_t rows_per_item = trial % 2 == 0 ? 64 : 128;
+    const std::int32_t decode_rows = trial % 3 == 0 ? kDecodeColumnRows : kDecodeRows;  // segments past it are prefilled
+    CAPTURE(decode_rows);
     const std::int32_t group = std::vector<std::int32_t>{1, 2, 4, 7, 8, 64}[rng() % 6];
     const std::int32_t window = std::vector<std::int32_t>{0, 0, 50, 300}[rng() % 4];
     std::vector<Segment> segments;
@@ -94,9 +99,10 @@ TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's ro
     std::vector<PrefillItem> prefill(static_cast<std::size_t>(capacity), PrefillItem{-1, -1});
     AttentionShape shape{group, 16};
     shape.prefill_rows = rows_per_item;
+    shape.decode_rows = decode_rows;
     plan_window(segments, own_begin.data(), window, shape,
                 WindowWork{counts.data(), decode_seg.data(), decode_prefix.data(), prefill.data()});
-    // The oracle: per segment of more than kDecodeRows rows, row0 = (n - 1) x rows, ..., rows, 0
+    // The oracle: per segment of more than decode_rows rows, row0 = (n - 1) x rows, ..., rows, 0
     // for its n = ceil(len x group / rows) items; all of them ordered by the tiles of kPrefillTile
     // positions their rows see (brute force), most first, ties in that order.
     struct Want {
@@ -106,7 +112,7 @@ TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's ro
     std::vector<Want> want;
     for (std::size_t i = 0; i < w; ++i) {
       const std::int32_t rows = segments[i].len * group;
-      if (rows <= 16) continue;
+      if (rows <= decode_rows) continue;
       std::int32_t n = 0;
       while (n * rows_per_item < rows) ++n;
       for (std::int32_t m = n - 1; m >= 0; --m) {
@@ -127,7 +133,7 @@ TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's ro
     // Every row of every prefill segment lies in exactly one item of at most rows_per_item rows.
     for (std::size_t i = 0; i < w; ++i) {
       const std::int32_t rows = segments[i].len * group;
-      if (rows <= 16) continue;
+      if (rows <= decode_rows) continue;
       std::vector<int> covered(static_cast<std::size_t>(rows), 0);
       for (std::int32_t k = 0; k < counts[1]; ++k) {
         const PrefillItem& it = prefill[static_cast<std::size_t>(k)];

@@ -65,7 +65,7 @@ std::vector<int> check_finished(const StepPlan& step, const SharingShape& shape,
   const std::int32_t limit = std::min(shape.finish_own, kMaxFinishOwn);
   auto eligible = [&](std::size_t si) {
     const Segment& seg = step.segments[si];
-    return limit > 0 && is_decode(seg, shape.group) && w.own_begin[si] > 0 && seg.pos0 + seg.len - w.own_begin[si] <= limit;
+    return limit > 0 && is_decode(seg, shape.group, shape.decode_rows) && w.own_begin[si] > 0 && seg.pos0 + seg.len - w.own_begin[si] <= limit;
   };
   std::int64_t eligible_rows = 0;  // over finish_rows: nothing is finished
   for (std::size_t si = 0; si < step.segments.size(); ++si)
@@ -85,11 +85,11 @@ std::vector<int> check_finished(const StepPlan& step, const SharingShape& shape,
   // The decode work of any window: the decode segments that are not finished, in order.
   std::vector<std::int32_t> counts(3), decode_seg(step.segments.size() + 1), prefix(step.segments.size() + 2);
   std::vector<PrefillItem> prefill(static_cast<std::size_t>(max_prefill_items(static_cast<std::int32_t>(step.segments.size()) * 16, shape.group)));
-  plan_window(step.segments, w.own_begin, 0, AttentionShape{shape.group, 16}, WindowWork{counts.data(), decode_seg.data(), prefix.data(), prefill.data()},
+  plan_window(step.segments, w.own_begin, 0, AttentionShape{shape.group, 16, kMinPrefillRows, shape.decode_rows}, WindowWork{counts.data(), decode_seg.data(), prefix.data(), prefill.data()},
               finished_segments);
   std::vector<std::int32_t> want;
   for (std::size_t si = 0; si < step.segments.size(); ++si)
-    if (is_decode(step.segments[si], shape.group) && finished_segments[si] == 0) want.push_back(static_cast<std::int32_t>(si));
+    if (is_decode(step.segments[si], shape.group, shape.decode_rows) && finished_segments[si] == 0) want.push_back(static_cast<std::int32_t>(si));
   CHECK(std::vector<std::int32_t>(decode_seg.begin(), decode_seg.begin() + counts[0]) == want);
   return finished;
 }
@@ -427,6 +427,8 @@ TEST_CASE("prefix sharing plan: finished tokens on random fork trees, roomy and 
   for (std::uint64_t seed = 31; seed <= 36; ++seed) random_trees(seed, finishing, true);
   finishing.finish_own = 5;  // a bound below the limit
   for (std::uint64_t seed = 37; seed <= 39; ++seed) random_trees(seed, finishing, true);
+  finishing.decode_rows = kDecodeColumnRows;  // decode items of 8 rows: 3- and 4-token forks are prefilled
+  for (std::uint64_t seed = 45; seed <= 47; ++seed) random_trees(seed, finishing, true);
   SharingShape tight{.group = 8, .heads_kv = 2, .workers = 1000, .max_runs = 3, .slots = 40};
   tight.finish_own = kMaxFinishOwn;
   tight.finish_rows = 1000 * 16;

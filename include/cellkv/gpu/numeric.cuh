@@ -1,5 +1,5 @@
 // cellkv/gpu/numeric.cuh - element conversions for kernels (load as float, store from float) and
-// the exponential the softmax kernels use, a warp's sum.
+// the exponential and reciprocal the softmax kernels use, a warp's sum.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,6 +28,14 @@ namespace kernels {
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1 / x on the special-function unit (rcp.approx.ftz: about 1 ulp for normal x; subnormal x is
+// flushed, so x must be a normal float or 0 -> inf).
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 

@@ -187,6 +187,8 @@ struct RowHalf {
 #pragma unroll
     for (int d = 0; d < D / 8; ++d) st.o[d][2 * h] *= inv, st.o[d][2 * h + 1] *= inv;
   }
+  // The row of half h of this lane (of a 16-row tile).
+  __device__ static __forceinline__ int row(int h, int lane) { return (lane >> 2) + 8 * h; }
   __device__ __forceinline__ float& v(int j) const { return st.o[j / 2][2 * h + (j & 1)]; }
   __device__ static __forceinline__ int column(int j, int lane) { return (j / 2) * 8 + (lane & 3) * 2 + (j & 1); }
   // Stores this lane's share as a partial: o_row [D] fp32, *lse_row (one lane of the quad writes it).

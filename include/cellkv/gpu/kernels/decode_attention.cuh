@@ -32,6 +32,7 @@
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/gpu/kernels/attention_tiles.cuh"
 #include "cellkv/gpu/kernels/dependent_launch.cuh"
+#include "cellkv/gpu/kernels/fp8_columns.cuh"
 #include "cellkv/gpu/kernels/fp8_tiles.cuh"
 #include "cellkv/gpu/kernels/layer_args.cuh"
 #include "cellkv/gpu/kernels/mma.cuh"
@@ -278,7 +279,7 @@ struct RowFetch {
 // each row's K and V scale; for D <= 128 the score MMA reads the K codes where they landed (16-byte
 // chunks swizzled by CodeTile, so its 4-byte reads are free of bank conflicts), for D = 128 the value
 // MMA the V codes (ValueCodeTile); convert_codes turns the others into fp16 tiles after the stages.
-template <int D, int Stages, int Bytes = 2>
+template <int D, int Stages, int Bytes = 2, bool Columns = false>
 struct StageRing {
   using G = DecodeTile<D, Bytes>;
   std::uint32_t base;  // shared address of stage 0's K tile
@@ -296,20 +297,26 @@ struct StageRing {
 
   template <class Pool>
   __device__ __forceinline__ void issue(int s, const Pool& pool, int hk, const int (&ids)[G::kIds], int lane) const {
-    constexpr int kElemsPerChunk = 16 / Bytes;
     const int chunk = lane % G::kChunks;
     const std::uint64_t policy = evict_first_policy();  // K/V is read once per step
+    // A copy's source: this lane's head and chunk of the tile (once per tile), plus row id x row
+    // bytes (one 32 x 32 -> 64-bit multiply-add a copy: row ids and a row's bytes fit 32 bits).
+    const auto row_bytes = static_cast<std::uint32_t>(pool.row_elems() * Bytes);
+    const std::uint64_t lane_off = static_cast<std::uint64_t>(hk) * (D * Bytes) + static_cast<std::uint32_t>(chunk * 16);
+    const char* k_base = reinterpret_cast<const char*>(pool.k) + lane_off;
+    const char* v_base = reinterpret_cast<const char*>(pool.v) + lane_off;
 #pragma unroll
     for (int i = 0; i < G::kLoads; ++i) {
       const int r = lane / G::kChunks + i * G::kRowStep;
       const int id = __shfl_sync(0xffffffffu, ids[i / G::kChunks], r % 32);
-      const std::int64_t off = id >= 0 ? pool.offset(id, hk) + chunk * kElemsPerChunk : 0;
+      const std::uint64_t off = static_cast<std::uint64_t>(static_cast<std::uint32_t>(max(id, 0))) * row_bytes;
       const std::uint32_t dst = G::kFp8 ? static_cast<std::uint32_t>(r * D + chunk * 16) : SwizzledTile<D>::offset(r, chunk);
       std::uint32_t k_dst = dst, v_dst = dst;
-      if constexpr (G::kDirectK) k_dst = CodeTile<D>::offset(r, chunk);
+      if constexpr (Columns) k_dst = KeyColumnTile::offset(r, chunk);
+      else if constexpr (G::kDirectK) k_dst = CodeTile<D>::offset(r, chunk);
       if constexpr (G::kDirectV) v_dst = ValueCodeTile<D>::offset(r, chunk);
-      cp_async_16(k(s) + k_dst, pool.k + off, id >= 0, policy);
-      cp_async_16(v(s) + v_dst, pool.v + off, id >= 0, policy);
+      cp_async_16(k(s) + k_dst, k_base + off, id >= 0, policy);
+      cp_async_16(v(s) + v_dst, v_base + off, id >= 0, policy);
     }
     if constexpr (G::kFp8) {
 #pragma unroll
@@ -317,8 +324,9 @@ struct StageRing {
         const int r = lane + 32 * j, id = ids[j];
         if (r >= G::kPositions) break;
         const std::int64_t off = id >= 0 ? pool.scale_offset(id, hk) : 0;
-        cp_async_4(k_scales(s) + 4 * r, pool.k_scale + off, id >= 0);
-        cp_async_4(v_scales(s) + 4 * r, pool.v_scale + off, id >= 0);
+        const std::uint32_t slot = 4 * static_cast<std::uint32_t>(Columns ? column_scale_slot(r) : r);
+        cp_async_4(k_scales(s) + slot, pool.k_scale + off, id >= 0);
+        cp_async_4(v_scales(s) + slot, pool.v_scale + off, id >= 0);
       }
     }
     cp_async_commit();
@@ -382,16 +390,6 @@ __device__ void load_query_shared(std::uint32_t tile, const T* src, int heads_q,
   }
   __syncwarp();
 }
-
-// Two T in one register as floats.
-template <class T>
-__device__ __forceinline__ float2 unpack2(std::uint32_t u) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
-  else return __half22float2(*reinterpret_cast<const __half2*>(&u));
-}
-
-// 2^e as a float, e in [-126, 127].
-__device__ __forceinline__ float exp2_int(int e) { return __uint_as_float(static_cast<std::uint32_t>(e + 127) << 23); }
 
 // fp8 pools, D <= 128: the pair's query rows as fp16 fragments of q x 2^shift(row) (fp8_tiles.cuh).
 // unshift[h] = 2^-shift of this lane's row lane / 4 + 8 h.
@@ -508,14 +506,26 @@ struct TeamPart {
   __device__ TeamPair& pair() const { return *reinterpret_cast<TeamPair*>(lse() + kDecodeRows); }
 };
 
-// Stores this warp's part (rows < rows) into its TeamPart.
+// A finished state's lane shares: RowHalf of a RowState, ColumnHalf of a ColumnState.
+template <class State>
+struct HalfOf;
 template <int D>
-__device__ void store_team_part(const TeamPart<D>& part, RowState<D>& st, int rows, int lane) {
-  using R = RowHalf<D>;
+struct HalfOf<RowState<D>> {
+  using type = RowHalf<D>;
+};
+template <int D>
+struct HalfOf<ColumnState<D>> {
+  using type = ColumnHalf<D>;
+};
+
+// Stores this warp's part (rows < rows) into its TeamPart.
+template <int D, class State>
+__device__ void store_team_part(const TeamPart<D>& part, State& st, int rows, int lane) {
+  using R = typename HalfOf<State>::type;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = (lane >> 2) + 8 * h;
-    const R res(st, h);  // every lane: quad sums
+    const int r = R::row(h, lane);
+    const R res(st, h);  // every lane: the sums over the lanes of its row
     if (r < rows) res.store_partial(part.o + r * D, part.lse() + r, lane);
   }
 }
@@ -697,15 +707,15 @@ __device__ void merge_up(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, c
 // The end of a pair's part in this worker: the output when the pair is whole here (always when
 // chunk is 0: a team of one, WorkerTiles), else this part's partial (o / l, lse per row), then the
 // merge.
-template <class T, int D, class Rows, class S>
-__device__ void finish_pair(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, const PairRows& p, RowState<D>& st,
+template <class T, int D, class Rows, class S, class State>
+__device__ void finish_pair(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, const PairRows& p, State& st,
                             int worker, std::int64_t chunk, int lane) {
   const bool whole = chunk == 0 || parts_of(c.begin, c.begin + c.tiles, chunk).count() == 1;
   const int slot = whole ? 0 : part_slot(worker, c.begin, chunk);
-  using R = RowHalf<D>;
+  using R = typename HalfOf<State>::type;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = (lane >> 2) + 8 * h;
+    const int r = R::row(h, lane);
     const R res(st, h);
     if (r >= p.rows) continue;
     auto column = [&](int j) { return R::column(j, lane); };
@@ -763,27 +773,25 @@ __device__ __forceinline__ void weigh_values(float (&s)[NT][4], RowState<D>& st,
     }
 #pragma unroll
   for (int h = 0; h < 2; ++h) tile_max[h] = quad_max(tile_max[h]);
-  float f[2];
-  vref.raise(corr, tile_max, f);
-  if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) {  // rare once the row's maximum settles
+  float inv[2];
+  vref.settle(corr, tile_max, st, inv);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) st.rescale(h, f[h]);
-  }
+  for (int h = 0; h < 2; ++h)
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float inv = vref.inverse(h);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) s[n][2 * h] *= inv, s[n][2 * h + 1] *= inv;
-  }
+    for (int n = 0; n < NT; ++n) s[n][2 * h] *= inv[h], s[n][2 * h + 1] *= inv[h];
 }
 
 // S: the pool's stored element (T, or Fp8E4M3: codes converted to fp16 per tile, fp8_tiles.cuh).
-template <class T, int D, int Stages, int Warps, class Rows, class S = T>
+// Columns: the tile work with positions on the MMA's M side (fp8_columns.cuh; fp8, D = 128, pairs
+// of at most kDecodeColumnRows rows: the plan's decode items are that small).
+template <class T, int D, int Stages, int Warps, class Rows, class S = T, bool Columns = false>
 __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, Rows, S> a) {
   constexpr bool kFp8 = std::is_same_v<S, Fp8E4M3>;
   constexpr int kBytes = kFp8 ? 1 : 2;
   using G = DecodeTile<D, kBytes>;
   using M = std::conditional_t<kFp8, __half, T>;  // the MMA operand type
+  using State = std::conditional_t<Columns, ColumnState<D>, RowState<D>>;
+  static_assert(!Columns || (kFp8 && G::kPositions == kColumnPositions), "columns tiles: fp8 codes, D = 128");
   extern __shared__ __align__(128) unsigned char smem[];
   allow_dependent_grids();
   // Up to wait_for_prior_grids (a dependent launch), only the step's plan is read: the work, the
@@ -814,7 +822,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   PairCursor cc;  // the tile being computed
   {  // the stream of tiles [g0, g1); with an empty range (a team member without tiles) it reads
      // nothing of the pool and computes nothing (a branch here would cost the loop registers)
-    const StageRing<D, Stages, kBytes> ring{smem_addr(smem) + warp * kWarpBytes};
+    const StageRing<D, Stages, kBytes, Columns> ring{smem_addr(smem) + warp * kWarpBytes};
     const std::uint32_t q_tile = ring.query();  // D = 256 only
     cc.seek(a, g0, heads_kv, G::kPositions, lane);
     RowFetch<D, Rows, kBytes> fetch;
@@ -839,8 +847,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
     QFragments<D> q;
     q.tile = q_tile;
     q.row0 = 0;
-    RowState<D> st;
-    float unshift[2] = {1.f, 1.f};  // fp8: 2^-shift of this lane's two rows
+    ColumnQuery qc;  // Columns: the query rows as B operands
+    State st;
+    float unshift[2] = {1.f, 1.f};  // fp8: 2^-shift of this lane's two rows (Columns: query columns)
     ValueRef vref;                  // fp8: the pair's value references
     int cur = 0;
     for (std::int64_t g = g0; g < g1; ++g) {
@@ -848,26 +857,41 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
       const PairRows p{cc.seg, group, cc.h, cc.seg.len * group};
       if constexpr (kQueryInRegisters<D>) {
         if (starts) {
-          if constexpr (kFp8) load_query_fp16_registers<D, G::kDirectK>(q, a.q, a.heads_q, p, lane, unshift);
-          else load_query_registers<D>(q, a.q, a.heads_q, p, lane);
+          if constexpr (Columns) {
+            const int r = lane >> 2;
+            qc.load(r < p.rows ? a.q + (static_cast<std::int64_t>(p.token(r)) * a.heads_q + p.head(r)) * D : nullptr, lane,
+                    unshift);
+          } else if constexpr (kFp8) {
+            load_query_fp16_registers<D, G::kDirectK>(q, a.q, a.heads_q, p, lane, unshift);
+          } else {
+            load_query_registers<D>(q, a.q, a.heads_q, p, lane);
+          }
         }
       }
       ring.wait();
-      if (starts) {
-        if constexpr (!kQueryInRegisters<D>) {
+      if constexpr (!kQueryInRegisters<D>) {
+        if (starts) {
           if constexpr (kFp8) load_query_fp16_shared<D>(q_tile, a.q, a.heads_q, p, lane, unshift);
           else load_query_shared<D>(q_tile, a.q, a.heads_q, p, lane);
         }
-        st = RowState<D>{};
-        vref = ValueRef{};
       }
       absent.push(issue_next(cur + Stages - 1 < Stages ? cur + Stages - 1 : cur - 1));  // the stage computed last iteration
 
       const int key0 = (cc.tile0 + cc.t) * G::kPositions;
       const bool full = key0 >= visible_begin(a.window, p.qpos(p.rows - 1)) && key0 + G::kPositions - 1 <= cc.seg.pos0;
-      float s[G::kNT][4];
       auto qpos = [&](int r) { return p.qpos(r); };
-      if constexpr (kFp8) {
+      if constexpr (Columns) {
+        float s[2][4];
+        column_scores(s, qc, ring.k(cur), lane);
+        const uint4 raw = ld_shared_v4(ring.k_scales(cur) + 16 * (lane >> 2));  // positions g + 8 j
+        const float ks[4] = {__uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z), __uint_as_float(raw.w)};
+        const float column_factor[2] = {unshift[0] * a.scale_log2, unshift[1] * a.scale_log2};
+        mask_columns(s, p.rows, qpos, key0, a.window, full, absent.pop(),
+                     [&](int e, int j) { return column_factor[e] * ks[j]; }, lane);
+        weigh_columns<D>(s, st, vref, ring.v_scales(cur), lane);
+        column_values<D>(st.o, s, ring.v(cur), lane);
+      } else if constexpr (kFp8) {
+        float s[G::kNT][4];
         if constexpr (G::kDirectV) {
           qk_codes<D, G::kNT>(s, q, ring.k(cur), lane);
         } else if constexpr (G::kDirectK) {
@@ -888,6 +912,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
         if constexpr (G::kDirectV) pv_codes<D, G::kNT>(st.o, s, ring.v(cur), lane);
         else pv<D, G::kNT, M>(st.o, s, ring.v_half(), 0, lane);
       } else {
+        float s[G::kNT][4];
         qk<D, G::kNT, M>(s, q, ring.k(cur), 0, lane);
         mask_tile<G::kNT>(s, p.rows, qpos, key0, a.window, full, absent.pop(), a.scale_log2, lane);
         st.absorb(s);
@@ -895,7 +920,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
       }
 
       if (cc.t == cc.tiles - 1 || g == g1 - 1) {
-        if constexpr (G::kDirectV) unpermute_values<D>(st.o, lane);
+        if constexpr (G::kDirectV && !Columns) unpermute_values<D>(st.o, lane);
         if constexpr (kFp8) {  // o x ref: the true weighted sum of the values (fp8_tiles.cuh)
 #pragma unroll
           for (int h = 0; h < 2; ++h) st.rescale(h, vref.ref[h]);
@@ -907,6 +932,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
         } else {
           finish_pair<T, D>(a, cc, p, st, worker, mode, lane);
         }
+        st = State{};  // the next pair's (here, not at its first tile: no per-tile selects)
+        vref = ValueRef{};
       }
       if (g + 1 < g1) cc.next(a, heads_kv, G::kPositions);
       cur = cur + 1 == Stages ? 0 : cur + 1;

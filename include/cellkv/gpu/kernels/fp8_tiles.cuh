@@ -18,10 +18,12 @@
 // own rescaling. The output is o x ref / l.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cellkv/gpu/kernels/attention_tiles.cuh"
 #include "cellkv/gpu/kernels/mma.cuh"
@@ -192,6 +194,16 @@ __device__ __forceinline__ void unpermute_values(float (&o)[D / 8][4], int lane)
     }
 }
 
+// Two T (bf16 or fp16) in one register as floats.
+template <class T>
+__device__ __forceinline__ float2 unpack2(std::uint32_t u) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+  else return __half22float2(*reinterpret_cast<const __half2*>(&u));
+}
+
+// 2^e as a float, e in [-126, 127].
+__device__ __forceinline__ float exp2_int(int e) { return __uint_as_float(static_cast<std::uint32_t>(e + 127) << 23); }
+
 // The power of two s for a query row whose largest finite |q| is amax: amax x 2^s lands in
 // [2^14, 2^15) (fp16 holds up to 65504), clamped so 2^s and 2^-s are normal floats; 0 for amax 0.
 __device__ __forceinline__ int query_shift(float amax) {
@@ -222,12 +234,27 @@ struct ValueRef {
       // weight is below 2^-126 then enters the MMA below 1, still exact to fp16's precision).
       const float top = fmaxf(carried, tile_max[h]);
       const float next = top > 0.f ? fmaxf(top, 1.17549435e-38f) : 0.f;
-      f[h] = next > 0.f ? carried / next : corr[h];
+      // Exactly 1 while the reference holds (the usual tile: o is then left alone); next is normal.
+      f[h] = next == carried ? 1.f : next > 0.f ? carried * fast_rcp(next) : corr[h];
       ref[h] = next;
     }
   }
+  // raise, then o brought along (st.rescale(h, f[h]) for both halves, skipped by the whole warp
+  // while every f is 1, as it is once the maxima settle), and the factors of the tile's weights:
+  // inv[h] = inverse(h). State: RowState or ColumnState.
+  template <class State>
+  __device__ __forceinline__ void settle(const float (&corr)[2], const float (&tile_max)[2], State& st, float (&inv)[2]) {
+    float f[2];
+    raise(corr, tile_max, f);
+    if (__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) st.rescale(h, f[h]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) inv[h] = inverse(h);
+  }
   // The factor of a weight in row h: 1 / ref (0 while the row has no weight: every V is 0 so far).
-  __device__ __forceinline__ float inverse(int h) const { return ref[h] > 0.f ? 1.f / ref[h] : 0.f; }
+  __device__ __forceinline__ float inverse(int h) const { return ref[h] > 0.f ? fast_rcp(ref[h]) : 0.f; }
 };
 
 __device__ __forceinline__ float warp_max(float x) {

@@ -34,11 +34,12 @@ __device__ __forceinline__ std::uint64_t evict_first_policy() {
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
 }
-// cp_async_16 with an L2 cache policy (evict_first_policy()).
+// cp_async_16 with an L2 cache policy (evict_first_policy()); `valid` goes to the copy's ignore-src
+// predicate (no source size to compute).
 __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool valid, std::uint64_t policy) {
-  const int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src), "r"(bytes),
-               "l"(policy));
+  asm volatile("{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n"
+               " cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, ignore, %3;\n}\n" ::"r"(dst), "l"(src),
+               "r"(static_cast<std::uint32_t>(valid)), "l"(policy));
 }
 // 4 bytes global -> shared asynchronously (cp.async.ca: the 4-byte form goes through L1);
 // zero-filled when `valid` is false, nothing read.

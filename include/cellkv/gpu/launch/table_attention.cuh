@@ -68,6 +68,12 @@
 #ifndef CELLKV_DECODE_FP8_WARPS
 #define CELLKV_DECODE_FP8_WARPS 8
 #endif
+#ifndef CELLKV_DECODE_COLUMN_STAGES
+#define CELLKV_DECODE_COLUMN_STAGES 3
+#endif
+#ifndef CELLKV_DECODE_COLUMN_WARPS
+#define CELLKV_DECODE_COLUMN_WARPS 8
+#endif
 
 namespace cellkv::gpu {
 
@@ -84,15 +90,17 @@ bool table_kernels_support(std::int32_t head_dim, std::int32_t heads_q, std::int
 inline constexpr int kMaxDynamicSmem = 227 * 1024;
 
 // The decode kernel's warps per block and stages per warp for head dim D and stored elements of
-// `bytes` bytes: CELLKV_DECODE_WARPS and CELLKV_DECODE_STAGES (8 and 3; fp8: CELLKV_DECODE_FP8_*),
-// fewer stages (not below 2), then fewer warps, where the block's shared memory would pass 227 KB
-// (bf16 D = 256 gets 5 warps of 2 stages).
+// `bytes` bytes: CELLKV_DECODE_WARPS and CELLKV_DECODE_STAGES (8 and 3; fp8: CELLKV_DECODE_FP8_*;
+// fp8 with positions on the MMA's M side, `columns`: CELLKV_DECODE_COLUMN_*), fewer stages (not
+// below 2), then fewer warps, where the block's shared memory would pass 227 KB (bf16 D = 256 gets
+// 5 warps of 2 stages).
 struct DecodeConfig {
   int warps = 0, stages = 0;
 };
-constexpr DecodeConfig decode_config(int head_dim, int bytes = 2) {
-  DecodeConfig c = bytes == 1 ? DecodeConfig{CELLKV_DECODE_FP8_WARPS, CELLKV_DECODE_FP8_STAGES}
-                              : DecodeConfig{CELLKV_DECODE_WARPS, CELLKV_DECODE_STAGES};
+constexpr DecodeConfig decode_config(int head_dim, int bytes = 2, bool columns = false) {
+  DecodeConfig c = columns       ? DecodeConfig{CELLKV_DECODE_COLUMN_WARPS, CELLKV_DECODE_COLUMN_STAGES}
+                   : bytes == 1 ? DecodeConfig{CELLKV_DECODE_FP8_WARPS, CELLKV_DECODE_FP8_STAGES}
+                                : DecodeConfig{CELLKV_DECODE_WARPS, CELLKV_DECODE_STAGES};
   const auto smem = [&](int stages) { return c.warps * kernels::decode_warp_smem_bytes(head_dim, stages, bytes); };
   while (smem(c.stages) > kMaxDynamicSmem) {
     if (c.stages > 2 && smem(2) <= kMaxDynamicSmem) --c.stages;
@@ -100,8 +108,8 @@ constexpr DecodeConfig decode_config(int head_dim, int bytes = 2) {
   }
   return c;
 }
-template <int D, int Bytes = 2>
-inline constexpr DecodeConfig kDecode = decode_config(D, Bytes);
+template <int D, int Bytes = 2, bool Columns = false>
+inline constexpr DecodeConfig kDecode = decode_config(D, Bytes, Columns);
 
 template <int D>
 inline constexpr int kPrefillStages = kernels::prefill_stages(D);
@@ -125,10 +133,17 @@ class TableAttention {
   using In = InputOf<T>;     // queries and outputs
   using S = StoredOf<T>;     // the pool's elements
   static constexpr int kBytes = kFp8Kv<T> ? 1 : 2;
+  // Whether head dim D has the decode kernel with positions on the MMA's M side (fp8 at D = 128;
+  // kernels/fp8_columns.cuh); it runs when H_q / H_kv <= kDecodeColumnRows (columns_).
   template <int D>
-  static constexpr DecodeConfig kDec = kDecode<D, kBytes>;
-  template <int D>
-  static constexpr int kDecSmem = kernels::decode_smem_bytes<D, kDec<D>.stages, kDec<D>.warps, kBytes>();
+  static constexpr bool kColumnsKernel = kFp8Kv<T> && D == 128;
+  template <int D, bool Columns = false>
+  static constexpr DecodeConfig kDec = kDecode<D, kBytes, Columns>;
+  template <int D, bool Columns = false>
+  static constexpr int kDecSmem = kernels::decode_smem_bytes<D, kDec<D, Columns>.stages, kDec<D, Columns>.warps, kBytes>();
+  template <int D, bool Columns>
+  static constexpr auto* kDecodeKernel =
+      kernels::decode_attention<In, D, kDec<D, Columns>.stages, kDec<D, Columns>.warps, Rows, S, Columns>;
   template <int D>
   static constexpr int kPreSmem = kernels::prefill_smem_bytes<D, kPrefillStages<D>, S>();
   template <int D>
@@ -138,7 +153,10 @@ class TableAttention {
 
  public:
   // Throws cellkv::gpu::Error when allocation or a CUDA query fails. Precondition: supported shape.
-  explicit TableAttention(const TableShape& shape) : shape_(shape) {
+  explicit TableAttention(const TableShape& shape)
+      : shape_(shape),
+        columns_(kFp8Kv<T> && shape.head_dim == 128 && shape.heads_q <= kDecodeColumnRows * shape.heads_kv &&
+                 !rows_decode_forced()) {
     int device = 0, sms = 0;
     CELLKV_CUDA_THROW(cudaGetDevice(&device));
     CELLKV_CUDA_THROW(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -157,6 +175,9 @@ class TableAttention {
 
   // Whether prefill runs the Hopper (wgmma) kernel rather than the mma.sync one.
   [[nodiscard]] bool wgmma_prefill() const noexcept { return wgmma_prefill_; }
+  // Whether decode runs the fp8 kernel with positions on the MMA's M side (decode items of
+  // kDecodeColumnRows rows: fp8 pools at D = 128 with H_q / H_kv <= kDecodeColumnRows).
+  [[nodiscard]] bool columns_decode() const noexcept { return columns_; }
   // Whether shared prefixes run shared_prefix_wgmma rather than shared_prefix_attention.
   [[nodiscard]] bool wgmma_shared() const noexcept { return wgmma_shared_; }
 
@@ -166,7 +187,8 @@ class TableAttention {
   // turn it off), so every plan follows the kernel its launches run.
   [[nodiscard]] AttentionShape plan_shape() const noexcept {
     return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim, kBytes),
-            wgmma_prefill_ ? kPrefillRows : std::int32_t{kernels::kPrefillBlockRows}};
+            wgmma_prefill_ ? kPrefillRows : std::int32_t{kernels::kPrefillBlockRows},
+            columns_ ? kDecodeColumnRows : kDecodeRows};
   }
 
   // What the sharing planner needs: the kernel's geometry (the items and split alignment of the
@@ -175,7 +197,8 @@ class TableAttention {
   [[nodiscard]] SharingShape sharing_shape(std::int32_t max_runs) const noexcept {
     return {shape_.heads_q / shape_.heads_kv, shape_.heads_kv, shared_grid_, max_runs, shape_.shared_slots,
             wgmma_shared_ ? kPrefillRows : kSharedRows, wgmma_shared_ ? kernels::kWideTile / kSharedTile : 1,
-            wgmma_shared_ ? kMaxFinishOwn : 0, wgmma_shared_ ? shared_grid_ * kernels::kFinishRowsPerBlock : 0};
+            wgmma_shared_ ? kMaxFinishOwn : 0, wgmma_shared_ ? shared_grid_ * kernels::kFinishRowsPerBlock : 0,
+            columns_ ? kDecodeColumnRows : kDecodeRows};
   }
 
   // One layer's attention through window buffer `buffer` of window `window`: q, out [width, H_q, D];
@@ -230,6 +253,12 @@ class TableAttention {
   }
 
  private:
+  // CELLKV_DECODE_KERNEL=rows: fp8 at D = 128 decodes with the row form (16-row items) even where
+  // the columns kernel would run (to compare the two in one process).
+  static bool rows_decode_forced() {
+    const char* e = std::getenv("CELLKV_DECODE_KERNEL");
+    return e != nullptr && std::string_view(e) == "rows";
+  }
   // Whether `device` runs this build's sm_90a code (so wgmma), unless CELLKV_PREFILL_KERNEL=mma.
   static bool wgmma_code_runs(int device) {
     if (const char* e = std::getenv("CELLKV_PREFILL_KERNEL"); e != nullptr && std::string_view(e) == "mma") return false;
@@ -247,16 +276,32 @@ class TableAttention {
   // Grid sizes from occupancy (persistent grids of one wave) and the decode's partial slots.
   template <int D>
   Status size_grids(int sms) {
-    auto* dec = kernels::decode_attention<In, D, kDec<D>.stages, kDec<D>.warps, Rows, S>;
-    auto* pre = kernels::prefill_attention<In, D, kPrefillStages<D>, Rows, S>;
-    constexpr int dec_smem = kDecSmem<D>;
-    constexpr int pre_smem = kPreSmem<D>;
+    if constexpr (kColumnsKernel<D>) {
+      if (columns_) {
+        size_decode_grid<D, true>(sms);
+        return size_other_grids<D>(sms);
+      }
+    }
+    size_decode_grid<D, false>(sms);
+    return size_other_grids<D>(sms);
+  }
+  template <int D, bool Columns>
+  void size_decode_grid(int sms) {
+    auto* dec = kDecodeKernel<D, Columns>;
+    constexpr int dec_smem = kDecSmem<D, Columns>;
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(dec, cudaFuncAttributeMaxDynamicSharedMemorySize, dec_smem));
-    CELLKV_CUDA_THROW(cudaFuncSetAttribute(pre, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
-    int dec_blocks = 0, pre_blocks = 0;
-    CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dec_blocks, dec, kDec<D>.warps * 32, dec_smem));
-    CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pre_blocks, pre, kernels::kPrefillThreads, pre_smem));
+    int dec_blocks = 0;
+    CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dec_blocks, dec, kDec<D, Columns>.warps * 32, dec_smem));
     decode_grid_ = sms * (dec_blocks > 0 ? dec_blocks : 1);
+    slots_ = 2 * decode_grid_ * kDec<D, Columns>.warps;  // two partial slots per decode worker
+  }
+  template <int D>
+  Status size_other_grids(int sms) {
+    auto* pre = kernels::prefill_attention<In, D, kPrefillStages<D>, Rows, S>;
+    constexpr int pre_smem = kPreSmem<D>;
+    CELLKV_CUDA_THROW(cudaFuncSetAttribute(pre, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
+    int pre_blocks = 0;
+    CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pre_blocks, pre, kernels::kPrefillThreads, pre_smem));
     prefill_grid_ = sms * (pre_blocks > 0 ? pre_blocks : 1);
     auto* shared = kernels::shared_prefix_attention<In, D, kPrefillStages<D>, Rows, S>;
     CELLKV_CUDA_THROW(cudaFuncSetAttribute(shared, cudaFuncAttributeMaxDynamicSharedMemorySize, pre_smem));
@@ -272,7 +317,6 @@ class TableAttention {
         if (wgmma_shared_) shared_grid_ = sms;
       }
     }
-    slots_ = 2 * decode_grid_ * kDec<D>.warps;  // two partial slots per decode worker
     return {};
   }
 
@@ -302,8 +346,15 @@ class TableAttention {
   }
   template <int D>
   Status launch_decode(const kernels::DecodeArgs<In, Rows, S>& a, cudaStream_t stream) const {
-    return launch(kernels::decode_attention<In, D, kDec<D>.stages, kDec<D>.warps, Rows, S>, decode_grid_,
-                  kDec<D>.warps * 32, kDecSmem<D>, dependent_, stream, a);
+    if constexpr (kColumnsKernel<D>) {
+      if (columns_) return launch_decode_kernel<D, true>(a, stream);
+    }
+    return launch_decode_kernel<D, false>(a, stream);
+  }
+  template <int D, bool Columns>
+  Status launch_decode_kernel(const kernels::DecodeArgs<In, Rows, S>& a, cudaStream_t stream) const {
+    return launch(kDecodeKernel<D, Columns>, decode_grid_, kDec<D, Columns>.warps * 32, kDecSmem<D, Columns>, dependent_,
+                  stream, a);
   }
   // dependent: false on the side stream of a step with both kinds of segment (its first node
   // follows an event, not a kernel).
@@ -329,6 +380,7 @@ class TableAttention {
   }
 
   TableShape shape_;
+  bool columns_ = false;  // decode runs the kernel with positions on the MMA's M side (kColumnsKernel)
   bool dependent_ = dependent_launch_supported();  // the layer's kernels as dependent launches (sm_90+)
   bool wgmma_prefill_ = false;                     // prefill runs prefill_wgmma
   bool wgmma_shared_ = false;                      // shared prefixes run shared_prefix_wgmma
