@@ -9,8 +9,8 @@
 // Per window buffer, the plan holds:
 //   decode   the segments whose rows (len x group) fit one decode item (<= AttentionShape::
 //            decode_rows: kDecodeRows, or kDecodeColumnRows for the fp8 kernel that puts positions
-//            on the MMA's M side; longer segments are prefilled), in step order, with the prefix sums of their tile counts. The decode kernel splits the
-//            sequence of (segment, KV head, tile) evenly over its workers (decode_chunk), so any
+//            on the MMA's M side; longer segments are prefilled), in step order, with the prefix
+//            sums of their tile counts. The decode kernel splits the sequence of (segment, KV head, tile) evenly over its workers (decode_chunk), so any
 //            mix of lengths keeps every worker equally busy; a (segment, head) cut by a chunk
 //            boundary is finished by merging the parts' partial softmax (part_slot, parts_of).
 //            Steps of few, short pairs run as teams instead (decode_assignment): the warps of a

@@ -187,8 +187,7 @@ class TableAttention {
   // turn it off), so every plan follows the kernel its launches run.
   [[nodiscard]] AttentionShape plan_shape() const noexcept {
     return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim, kBytes),
-            wgmma_prefill_ ? kPrefillRows : std::int32_t{kernels::kPrefillBlockRows},
-            columns_ ? kDecodeColumnRows : kDecodeRows};
+            wgmma_prefill_ ? kPrefillRows : std::int32_t{kernels::kPrefillBlockRows}, decode_rows()};
   }
 
   // What the sharing planner needs: the kernel's geometry (the items and split alignment of the
@@ -198,7 +197,7 @@ class TableAttention {
     return {shape_.heads_q / shape_.heads_kv, shape_.heads_kv, shared_grid_, max_runs, shape_.shared_slots,
             wgmma_shared_ ? kPrefillRows : kSharedRows, wgmma_shared_ ? kernels::kWideTile / kSharedTile : 1,
             wgmma_shared_ ? kMaxFinishOwn : 0, wgmma_shared_ ? shared_grid_ * kernels::kFinishRowsPerBlock : 0,
-            columns_ ? kDecodeColumnRows : kDecodeRows};
+            decode_rows()};
   }
 
   // One layer's attention through window buffer `buffer` of window `window`: q, out [width, H_q, D];
@@ -253,6 +252,17 @@ class TableAttention {
   }
 
  private:
+  // Query rows of a decode item of the decode kernel that runs.
+  std::int32_t decode_rows() const noexcept { return columns_ ? kDecodeColumnRows : kDecodeRows; }
+  // Calls f(std::bool_constant<Columns>{}) for the decode kernel that runs at head dim D (columns:
+  // columns_).
+  template <int D, class F>
+  static auto with_decode_kernel(bool columns, F&& f) {
+    if constexpr (kColumnsKernel<D>) {
+      if (columns) return f(std::true_type{});
+    }
+    return f(std::false_type{});
+  }
   // CELLKV_DECODE_KERNEL=rows: fp8 at D = 128 decodes with the row form (16-row items) even where
   // the columns kernel would run (to compare the two in one process).
   static bool rows_decode_forced() {
@@ -276,13 +286,7 @@ class TableAttention {
   // Grid sizes from occupancy (persistent grids of one wave) and the decode's partial slots.
   template <int D>
   Status size_grids(int sms) {
-    if constexpr (kColumnsKernel<D>) {
-      if (columns_) {
-        size_decode_grid<D, true>(sms);
-        return size_other_grids<D>(sms);
-      }
-    }
-    size_decode_grid<D, false>(sms);
+    with_decode_kernel<D>(columns_, [&](auto columns) { size_decode_grid<D, decltype(columns)::value>(sms); });
     return size_other_grids<D>(sms);
   }
   template <int D, bool Columns>
@@ -346,10 +350,7 @@ class TableAttention {
   }
   template <int D>
   Status launch_decode(const kernels::DecodeArgs<In, Rows, S>& a, cudaStream_t stream) const {
-    if constexpr (kColumnsKernel<D>) {
-      if (columns_) return launch_decode_kernel<D, true>(a, stream);
-    }
-    return launch_decode_kernel<D, false>(a, stream);
+    return with_decode_kernel<D>(columns_, [&](auto columns) { return launch_decode_kernel<D, decltype(columns)::value>(a, stream); });
   }
   template <int D, bool Columns>
   Status launch_decode_kernel(const kernels::DecodeArgs<In, Rows, S>& a, cudaStream_t stream) const {
