@@ -205,11 +205,16 @@ __device__ inline WorkerTiles worker_tiles(const WindowWork& work, int n, int he
   return w;
 }
 
-// A tile to fetch: KV head h, positions [key0, key0 + kPositions) of seq, of which `seen` are read.
+// A tile to fetch: KV head h, positions [key0, key0 + kPositions) of seq, of which key0 + [lo, hi]
+// are read (lo > hi: none), unless it lies past the worker's chunk (not valid). Packed into one
+// word, h << 17 | valid << 16 | hi << 8 | lo, so the read-ahead of three tiles takes few registers.
 struct TileRef {
-  int seq = 0, h = 0, key0 = 0;
-  PositionRange seen;
-  bool valid = false;  // false past the worker's chunk
+  int seq = 0, key0 = 0;
+  std::uint32_t bits = 1;  // not valid, reads nothing
+  __device__ __forceinline__ int h() const { return static_cast<int>(bits >> 17); }
+  __device__ __forceinline__ bool valid() const { return (bits >> 16) & 1u; }
+  __device__ __forceinline__ int lo() const { return static_cast<int>(bits & 0xffu); }
+  __device__ __forceinline__ int hi() const { return static_cast<int>((bits >> 8) & 0xffu); }
 };
 
 // The row ids of the tiles a warp issues, read ahead in two steps so neither read stalls the warp:
@@ -219,6 +224,7 @@ struct TileRef {
 template <int D, class Rows, int Bytes>
 struct RowFetch {
   using G = DecodeTile<D, Bytes>;
+  static_assert(G::kPositions <= 255, "tile offsets fit a TileRef's bytes");
   TileRef next[3];
   int ids[2][G::kIds];
   typename Rows::Tile page2;  // page of next[2]
@@ -226,15 +232,23 @@ struct RowFetch {
 
   template <class A>
   __device__ __forceinline__ void fill_ref(const A& a, std::int64_t g1, TileRef& ref) const {
-    ref = TileRef{at.seg.seq, at.h, (at.tile0 + at.t) * G::kPositions, at.seen(a.window), at.g < g1};
+    const int key0 = (at.tile0 + at.t) * G::kPositions;
+    const PositionRange seen = at.seen(a.window);
+    const int lo = max(seen.begin - key0, 0), hi = min(seen.end - key0, G::kPositions - 1);
+    const bool valid = at.g < g1;
+    const std::uint32_t range = valid && lo <= hi ? static_cast<std::uint32_t>(hi << 8 | lo) : 1u;
+    ref.seq = at.seg.seq;
+    ref.key0 = key0;
+    ref.bits = static_cast<std::uint32_t>(at.h) << 17 | (valid ? 1u << 16 : 0u) | range;
   }
   __device__ __forceinline__ void load_ids(const Rows& rows, const TileRef& ref, const typename Rows::Tile& page,
                                            int lane, int (&out)[G::kIds]) const {
+    const int lo = ref.lo(), hi = ref.hi();
 #pragma unroll
     for (int j = 0; j < G::kIds; ++j) {
       const int i = lane + 32 * j;
       out[j] = -1;  // a predicated read: nothing waits for it until the issue
-      if (ref.valid && i < G::kPositions && ref.seen.contains(ref.key0 + i)) out[j] = rows.row(page, i);
+      if (i >= lo && i <= hi) out[j] = rows.row(page, i);
     }
   }
   // Moves `at` one tile on (or past the chunk's end).
@@ -243,19 +257,23 @@ struct RowFetch {
     if (at.g + 1 < g1) at.next(a, heads_kv, G::kPositions);
     else at.g = g1;
   }
+  template <class A>
+  __device__ __forceinline__ typename Rows::Tile page_of(const A& a, const TileRef& ref) const {
+    return ref.valid() ? a.rows.tile(ref.seq, ref.key0) : typename Rows::Tile{};
+  }
   // Starts at cursor c (the worker's first tile): pages of three tiles, ids of two, in parallel.
   template <class A>
   __device__ void start(const A& a, const PairCursor& c, std::int64_t g1, int heads_kv, int lane) {
     at = c;
     typename Rows::Tile pages[2];
 #pragma unroll
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; k < 2; ++k) {
       fill_ref(a, g1, next[k]);
-      const typename Rows::Tile page = next[k].valid ? a.rows.tile(next[k].seq, next[k].key0) : typename Rows::Tile{};
-      if (k < 2) pages[k] = page;
-      else page2 = page;
-      if (k < 2) step_cursor(a, g1, heads_kv);
+      pages[k] = page_of(a, next[k]);
+      step_cursor(a, g1, heads_kv);
     }
+    fill_ref(a, g1, next[2]);
+    page2 = page_of(a, next[2]);
     load_ids(a.rows, next[0], pages[0], lane, ids[0]);
     load_ids(a.rows, next[1], pages[1], lane, ids[1]);
   }
@@ -269,7 +287,7 @@ struct RowFetch {
     load_ids(a.rows, next[1], page2, lane, ids[1]);
     step_cursor(a, g1, heads_kv);
     fill_ref(a, g1, next[2]);
-    if (next[2].valid) page2 = a.rows.tile(next[2].seq, next[2].key0);
+    page2 = page_of(a, next[2]);
   }
 };
 
@@ -297,27 +315,9 @@ struct StageRing {
 
   template <class Pool>
   __device__ __forceinline__ void issue(int s, const Pool& pool, int hk, const int (&ids)[G::kIds], int lane) const {
-    const int chunk = lane % G::kChunks;
     const std::uint64_t policy = evict_first_policy();  // K/V is read once per step
-    // A copy's source: this lane's head and chunk of the tile (once per tile), plus row id x row
-    // bytes (one 32 x 32 -> 64-bit multiply-add a copy: row ids and a row's bytes fit 32 bits).
-    const auto row_bytes = static_cast<std::uint32_t>(pool.row_elems() * Bytes);
-    const std::uint64_t lane_off = static_cast<std::uint64_t>(hk) * (D * Bytes) + static_cast<std::uint32_t>(chunk * 16);
-    const char* k_base = reinterpret_cast<const char*>(pool.k) + lane_off;
-    const char* v_base = reinterpret_cast<const char*>(pool.v) + lane_off;
-#pragma unroll
-    for (int i = 0; i < G::kLoads; ++i) {
-      const int r = lane / G::kChunks + i * G::kRowStep;
-      const int id = __shfl_sync(0xffffffffu, ids[i / G::kChunks], r % 32);
-      const std::uint64_t off = static_cast<std::uint64_t>(static_cast<std::uint32_t>(max(id, 0))) * row_bytes;
-      const std::uint32_t dst = G::kFp8 ? static_cast<std::uint32_t>(r * D + chunk * 16) : SwizzledTile<D>::offset(r, chunk);
-      std::uint32_t k_dst = dst, v_dst = dst;
-      if constexpr (Columns) k_dst = KeyColumnTile::offset(r, chunk);
-      else if constexpr (G::kDirectK) k_dst = CodeTile<D>::offset(r, chunk);
-      if constexpr (G::kDirectV) v_dst = ValueCodeTile<D>::offset(r, chunk);
-      cp_async_16(k(s) + k_dst, k_base + off, id >= 0, policy);
-      cp_async_16(v(s) + v_dst, v_base + off, id >= 0, policy);
-    }
+    if constexpr (Columns) issue_column_rows(s, pool, hk, ids[0], lane, policy);
+    else issue_rows(s, pool, hk, ids, lane, policy);
     if constexpr (G::kFp8) {
 #pragma unroll
       for (int j = 0; j < G::kIds; ++j) {
@@ -330,6 +330,54 @@ struct StageRing {
       }
     }
     cp_async_commit();
+  }
+  // The rows of a tile: lane l copies chunk l % kChunks of rows l / kChunks + i kRowStep, K and V.
+  // A copy's source: this lane's head and chunk of the tile (once per tile), plus row id x row
+  // bytes (one 32 x 32 -> 64-bit multiply-add a copy: row ids and a row's bytes fit 32 bits).
+  template <class Pool>
+  __device__ __forceinline__ void issue_rows(int s, const Pool& pool, int hk, const int (&ids)[G::kIds], int lane,
+                                             std::uint64_t policy) const {
+    const int chunk = lane % G::kChunks;
+    const auto row_bytes = static_cast<std::uint32_t>(pool.row_elems() * Bytes);
+    const std::uint64_t lane_off = static_cast<std::uint64_t>(hk) * (D * Bytes) + static_cast<std::uint32_t>(chunk * 16);
+    const char* k_base = reinterpret_cast<const char*>(pool.k) + lane_off;
+    const char* v_base = reinterpret_cast<const char*>(pool.v) + lane_off;
+#pragma unroll
+    for (int i = 0; i < G::kLoads; ++i) {
+      const int r = lane / G::kChunks + i * G::kRowStep;
+      const int id = __shfl_sync(0xffffffffu, ids[i / G::kChunks], r % 32);
+      const std::uint64_t off = static_cast<std::uint64_t>(static_cast<std::uint32_t>(max(id, 0))) * row_bytes;
+      const std::uint32_t dst = G::kFp8 ? static_cast<std::uint32_t>(r * D + chunk * 16) : SwizzledTile<D>::offset(r, chunk);
+      std::uint32_t k_dst = dst, v_dst = dst;
+      if constexpr (G::kDirectK) k_dst = CodeTile<D>::offset(r, chunk);
+      if constexpr (G::kDirectV) v_dst = ValueCodeTile<D>::offset(r, chunk);
+      cp_async_16_row(k(s) + k_dst, k_base + off, id, policy);
+      cp_async_16_row(v(s) + v_dst, v_base + off, id, policy);
+    }
+  }
+  // Columns (fp8 codes, D = 128, 32 rows a tile; `id`: lane l's is row l's): lane l copies chunk
+  // l % 8 of rows l / 8 + 4 i (i < 8), K and V. Row l / 8 + 4 i lands 512 bytes past row
+  // l / 8 + 4 (i - 1) in both tiles, with the K swizzle of row l / 8 and the V swizzle of row l / 8
+  // (even i) or l / 8 + 4 (odd i): a copy's destination is a lane constant plus an immediate.
+  template <class Pool>
+  __device__ __forceinline__ void issue_column_rows(int s, const Pool& pool, int hk, int id, int lane,
+                                                    std::uint64_t policy) const {
+    static_assert(G::kChunks == 8 && G::kPositions == 32 && G::kIds == 1, "a K row of 128 codes, 32 rows a tile");
+    const int chunk = lane % 8, row = lane / 8;
+    const auto row_bytes = static_cast<std::uint32_t>(pool.row_elems());  // one byte an element
+    const std::uint64_t lane_off = static_cast<std::uint64_t>(hk) * D + static_cast<std::uint32_t>(chunk * 16);
+    const std::uint64_t k_lane = reinterpret_cast<std::uint64_t>(pool.k) + lane_off;
+    const std::uint64_t v_lane = reinterpret_cast<std::uint64_t>(pool.v) + lane_off;
+    const std::uint32_t k_dst = k(s) + KeyColumnTile::offset(row, chunk);
+    const std::uint32_t v_dst[2] = {v(s) + ValueCodeTile<D>::offset(row, chunk),
+                                    v(s) + ValueCodeTile<D>::offset(row + 4, chunk) - 512u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int from = __shfl_sync(0xffffffffu, id, row + 4 * i);
+      const auto at = static_cast<std::uint32_t>(max(from, 0));
+      cp_async_16_row(k_dst + 512u * i, row_address(k_lane, at, row_bytes), from, policy);
+      cp_async_16_row(v_dst[i & 1] + 512u * i, row_address(v_lane, at, row_bytes), from, policy);
+    }
   }
   // Nothing to issue for this slot of the ring (keeps the group count in step).
   __device__ __forceinline__ void skip() const { cp_async_commit(); }
@@ -831,12 +879,16 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
     // Issues the next tile into stage s (or an empty group past the chunk's end); returns the tile's
     // absent columns (holes, positions no row reads).
     auto issue_next = [&](int s) -> std::uint64_t {
-      if (!fetch.next[0].valid) {
+      if (!fetch.next[0].valid()) {
         ring.skip();
         return 0;
       }
-      const std::uint64_t absent = absent_columns(fetch.ids[0][0], G::kIds > 1 ? fetch.ids[0][G::kIds - 1] : -1);
-      ring.issue(s, a.pool, fetch.next[0].h, fetch.ids[0], lane);
+      // Bits of the tile's columns only: a tile of fewer than 64 positions is then whole (absent
+      // 0) when nothing in it is missing, and its masking is skipped.
+      constexpr std::uint64_t kColumns = G::kPositions >= 64 ? ~0ull : (1ull << G::kPositions) - 1;
+      const std::uint64_t absent =
+          absent_columns(fetch.ids[0][0], G::kIds > 1 ? fetch.ids[0][G::kIds - 1] : -1) & kColumns;
+      ring.issue(s, a.pool, fetch.next[0].h(), fetch.ids[0], lane);
       fetch.advance(a, g1, heads_kv, lane);
       return absent;
     };
@@ -878,7 +930,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
       absent.push(issue_next(cur + Stages - 1 < Stages ? cur + Stages - 1 : cur - 1));  // the stage computed last iteration
 
       const int key0 = (cc.tile0 + cc.t) * G::kPositions;
-      const bool full = key0 >= visible_begin(a.window, p.qpos(p.rows - 1)) && key0 + G::kPositions - 1 <= cc.seg.pos0;
+      // Every row sees every position of the tile: the last row's window starts at or below it, and
+      // the first row (at pos0) is at or past its end.
+      const bool full =
+          key0 >= visible_begin(a.window, cc.seg.pos0 + cc.seg.len - 1) && key0 + G::kPositions - 1 <= cc.seg.pos0;
       auto qpos = [&](int r) { return p.qpos(r); };
       if constexpr (Columns) {
         float s[2][4];
@@ -886,7 +941,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
         const uint4 raw = ld_shared_v4(ring.k_scales(cur) + 16 * (lane >> 2));  // positions g + 8 j
         const float ks[4] = {__uint_as_float(raw.x), __uint_as_float(raw.y), __uint_as_float(raw.z), __uint_as_float(raw.w)};
         const float column_factor[2] = {unshift[0] * a.scale_log2, unshift[1] * a.scale_log2};
-        mask_columns(s, p.rows, qpos, key0, a.window, full, absent.pop(),
+        const auto absent_bits = static_cast<std::uint32_t>(absent.pop());  // 32 positions
+        mask_columns(s, p.rows, qpos, key0, a.window, full && absent_bits == 0, absent_bits,
                      [&](int e, int j) { return column_factor[e] * ks[j]; }, lane);
         weigh_columns<D>(s, st, vref, ring.v_scales(cur), lane);
         column_values<D>(st.o, s, ring.v(cur), lane);

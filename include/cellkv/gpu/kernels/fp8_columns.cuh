@@ -138,29 +138,36 @@ __device__ __forceinline__ void column_scores(float (&s)[2][4], const ColumnQuer
     for (int e = 0; e < 4; ++e) s[i][e] = acc[i][0][e] + acc[i][1][e];
 }
 
-// Scores of a tile -> log2 units; -inf where the query column may not see the position or the
-// position is absent (bit p of `absent`). Query column r (< rows) sits at position qpos(r); position
-// p of the tile is key0 + p. With `full`, every column < rows sees every position. factor(e, j): the
-// factor of the scores of column 2c + e at the lane's position g + 8 j.
+// Scores of a tile -> log2 units: x factor(e, j), the factor of column 2c + e at the lane's position
+// g + 8 j; -inf where the column may not see the position or the position is absent (bit p of
+// `absent`). Query column r (< rows) sits at position qpos(r); position p of the tile is key0 + p.
+// `whole` (the same in every lane): every column < rows sees every position of the tile and none is
+// absent, so nothing is masked (columns past rows are zero queries whose results nobody reads; they
+// are masked only on the other tiles). The masking path runs on a pair's edge tiles alone, so it
+// derives the columns' positions there rather than keeping them in registers.
 template <class QPos, class Factor>
-__device__ __forceinline__ void mask_columns(float (&s)[2][4], int rows, QPos&& qpos, int key0, int window, bool full,
-                                             std::uint64_t absent, Factor&& factor, int lane) {
+__device__ __forceinline__ void mask_columns(float (&s)[2][4], int rows, QPos&& qpos, int key0, int window, bool whole,
+                                             std::uint32_t absent, Factor&& factor, int lane) {
+  if (whole) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) s[j / 2][2 * (j % 2) + e] *= factor(e, j);
+    return;
+  }
   const int g = lane >> 2, c = lane & 3;
-  const bool whole = full && absent == 0;
+  const std::uint32_t mine = absent >> g;  // bit 8 j: the lane's position g + 8 j
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int r = 2 * c + e;
     int lo = 1, hi = 0;  // the positions [lo, hi] of the tile column r sees, less g
-    if (r < rows && whole) {
-      lo = 0, hi = kColumnPositions - 1;
-    } else if (r < rows) {
+    if (r < rows) {
       const PositionRange seen = visible_positions(window, qpos(r));
-      lo = seen.begin - key0, hi = seen.end - key0;
+      lo = seen.begin - key0 - g, hi = seen.end - key0 - g;
     }
-    lo -= g, hi -= g;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {  // position g + 8 j: M tile j / 2, row half j % 2
-      const bool ok = 8 * j >= lo && 8 * j <= hi && (whole || ((absent >> (g + 8 * j)) & 1) == 0);
+      const bool ok = 8 * j >= lo && 8 * j <= hi && ((mine >> (8 * j)) & 1u) == 0;
       float& x = s[j / 2][2 * (j % 2) + e];
       x = ok ? x * factor(e, j) : -INFINITY;
     }

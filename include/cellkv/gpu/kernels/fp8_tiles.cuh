@@ -11,11 +11,13 @@
 // The MMA runs in fp16 on unscaled codes; the scales stay outside it:
 //   score(r, c) = (q'(r) . code_k(c)) x 2^-shift(r) x k_scale(c)      q'(r) = fp16(q(r) x 2^shift(r))
 //   o(r)        = sum_c p(r, c) x v_scale(c) x code_v(c) = ref(r) x sum_c w'(r, c) code_v(c)
-// with w' = p x v_scale / ref(r) and ref(r) the largest weight p x v_scale of row r so far, so the
-// fp16 operand w' lies in [0, 1] and the row's dominant terms keep full fp16 precision whatever the
-// scales span (a weight below 2^-24 of the largest is lost, as fp16 probabilities lose it). When a
-// tile raises ref, the accumulated o is rescaled by old ref / new ref, together with the softmax's
-// own rescaling. The output is o x ref / l.
+// with w' = p x v_scale / ref(r) and ref(r) a reference weight of row r: the largest weight
+// p x v_scale of the row at the last tile that raised it. A tile raises ref only when one of its
+// weights passes kValueHeadroom (256) x ref, so the fp16 operand w' lies in [0, 256] and the row's
+// dominant terms keep full fp16 precision whatever the scales span (a weight below 2^-24 of the
+// reference is lost, as fp16 probabilities lose it). When a tile raises ref, the accumulated o is
+// rescaled by old ref / new ref, together with the softmax's own rescaling; between raises it is
+// left alone. The output is o x ref / l.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -218,22 +220,30 @@ __device__ __forceinline__ float finite_amax2(float a, float b) {
   return fmaxf(fa <= 3.4e38f ? fa : 0.f, fb <= 3.4e38f ? fb : 0.f);
 }
 
-// The value reference of this lane's two rows (lane / 4 + 8 h) of a pair: the largest weight
-// p x v_scale of a column seen so far, in the units of the row's current softmax maximum; the
-// accumulated o holds sum(p x v_scale x code_v) / ref. Every lane of a quad holds the same refs.
+// How far a tile's weights may pass the value reference before it is raised: w' stays in
+// [0, kValueHeadroom], well inside fp16, and o is rescaled only when a row's weights grow by more.
+inline constexpr float kValueHeadroom = 256.f;
+
+// The value reference of this lane's two rows (lane / 4 + 8 h) of a pair (the columns form: its two
+// query columns): a weight p x v_scale of a column seen so far, in the units of the row's current
+// softmax maximum, no lower than 1 / kValueHeadroom of every weight seen; the accumulated o holds
+// sum(p x v_scale x code_v) / ref. Every lane of a quad holds the same refs.
 struct ValueRef {
   float ref[2] = {0.f, 0.f};
   // After a tile's probabilities (corr[h]: the softmax's factor for what came before, tile_max[h]:
   // the tile's largest weight, quad-wide): the new ref of row h, and in f[h] the factor o's row
-  // takes, (old ref x corr) / new ref <= 1 (corr while nothing has weight yet).
+  // takes, (old ref x corr) / new ref <= 1 (corr while nothing has weight yet). The carried
+  // reference stays while it is a normal float and the tile's weights are within the headroom.
   __device__ __forceinline__ void raise(const float (&corr)[2], const float (&tile_max)[2], float (&f)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float carried = ref[h] * corr[h];
       // At least the smallest normal float: 1 / ref stays finite (a weight of a row whose every
       // weight is below 2^-126 then enters the MMA below 1, still exact to fp16's precision).
+      constexpr float kMinNormal = 1.17549435e-38f;
+      const bool keep = carried >= kMinNormal && tile_max[h] <= carried * kValueHeadroom;
       const float top = fmaxf(carried, tile_max[h]);
-      const float next = top > 0.f ? fmaxf(top, 1.17549435e-38f) : 0.f;
+      const float next = keep ? carried : top > 0.f ? fmaxf(top, kMinNormal) : 0.f;
       // Exactly 1 while the reference holds (the usual tile: o is then left alone); next is normal.
       f[h] = next == carried ? 1.f : next > 0.f ? carried * fast_rcp(next) : corr[h];
       ref[h] = next;

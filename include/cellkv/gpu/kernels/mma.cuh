@@ -41,6 +41,20 @@ __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, 
                " cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, ignore, %3;\n}\n" ::"r"(dst), "l"(src),
                "r"(static_cast<std::uint32_t>(valid)), "l"(policy));
 }
+// cp_async_16 of a gathered row: `row_id` < 0 (a hole, or a position nobody reads) zero-fills and
+// reads nothing. The sign test is the copy's ignore-src predicate itself, one instruction.
+__device__ __forceinline__ void cp_async_16_row(std::uint32_t dst, const void* src, int row_id, std::uint64_t policy) {
+  asm volatile("{\n .reg .pred ignore;\n setp.lt.s32 ignore, %2, 0;\n"
+               " cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, ignore, %3;\n}\n" ::"r"(dst), "l"(src),
+               "r"(row_id), "l"(policy));
+}
+// base + row x row_bytes as one 32 x 32 -> 64-bit multiply-add (mad.wide.u32), which the compiler
+// would otherwise split into a multiply shared between bases and a 64-bit add per base.
+__device__ __forceinline__ const void* row_address(std::uint64_t base, std::uint32_t row, std::uint32_t row_bytes) {
+  std::uint64_t address;
+  asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(address) : "r"(row), "r"(row_bytes), "l"(base));
+  return reinterpret_cast<const void*>(address);
+}
 // 4 bytes global -> shared asynchronously (cp.async.ca: the 4-byte form goes through L1);
 // zero-filled when `valid` is false, nothing read.
 __device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
