@@ -5,7 +5,8 @@
 //
 //   decode  N x L: N sequences holding L cells each, one new token per sequence; effective TB/s =
 //           live K+V bytes (N L H_kv D 2 bytes x 2) / time of one attention call (write excluded);
-//           for the fp8 cache (impl cellkv_cell_fp8) the same bf16 bytes: bf16-equivalent TB/s
+//           for the fp8 cache (impls cellkv_cell_fp8, cellkv_sequence_fp8) the same bf16 bytes:
+//           bf16-equivalent TB/s
 //   prefill N x L: one step of N sequences x L tokens, causal; useful TFLOP/s = 4 N L(L+1)/2 H_q D / time
 //           (shapes 1x8k_d64 and 1x8k_d256: the same at head dim 64 / 256, clustered<64> only)
 //   decode_forks N x 4k_shared: one 4,096-token prompt and N - 1 forks, one new token each; logical
@@ -262,6 +263,7 @@ int main(int argc, char** argv) {
   using Lowest = gpu::DeviceCache<layout::cell, bf16, Model, placement::lowest_free>;
   using Slots = gpu::DeviceCache<layout::sequence, bf16, Model>;
   using Fp8Clustered = gpu::DeviceCache<layout::cell, gpu::Fp8<bf16>, Model, placement::clustered<64>>;
+  using Fp8Slots = gpu::DeviceCache<layout::sequence, gpu::Fp8<bf16>, Model>;
   const std::pair<std::int32_t, std::int32_t> decode[] = {{1, 32768}, {16, 4096}, {64, 2048}, {256, 1024}};
   const std::pair<std::int32_t, std::int32_t> prefill[] = {{1, 8192}, {8, 1024}, {4, 4096}};
   std::fprintf(stderr, "cellkv attention benchmark: bf16, H_q %d, H_kv %d, D %d (unless a shape says _dD), one layer\n",
@@ -272,6 +274,7 @@ int main(int argc, char** argv) {
       bench_decode<Slots>(o, "cellkv_sequence", n, len);
       bench_decode<Lowest>(o, "cellkv_cell_lowest_free", n, len);
       bench_decode<Fp8Clustered>(o, "cellkv_cell_fp8", n, len);
+      bench_decode<Fp8Slots>(o, "cellkv_sequence_fp8", n, len);  // the same kernel with no table reads
       if (!o.quick) bench_decode<Clustered>(o, "cellkv_cell_masked_reference", n, len, true);
     }
     for (const std::int32_t n : {16, 64, 128}) {
