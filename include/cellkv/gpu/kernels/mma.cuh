@@ -34,15 +34,9 @@ __device__ __forceinline__ std::uint64_t evict_first_policy() {
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
 }
-// cp_async_16 with an L2 cache policy (evict_first_policy()); `valid` goes to the copy's ignore-src
-// predicate (no source size to compute).
-__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src, bool valid, std::uint64_t policy) {
-  asm volatile("{\n .reg .pred ignore;\n setp.eq.u32 ignore, %2, 0;\n"
-               " cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, ignore, %3;\n}\n" ::"r"(dst), "l"(src),
-               "r"(static_cast<std::uint32_t>(valid)), "l"(policy));
-}
-// cp_async_16 of a gathered row: `row_id` < 0 (a hole, or a position nobody reads) zero-fills and
-// reads nothing. The sign test is the copy's ignore-src predicate itself, one instruction.
+// cp_async_16 of a gathered row with an L2 cache policy (evict_first_policy()): `row_id` < 0 (a
+// hole, or a position nobody reads) zero-fills and reads nothing. The sign test is the copy's
+// ignore-src predicate itself, one instruction.
 __device__ __forceinline__ void cp_async_16_row(std::uint32_t dst, const void* src, int row_id, std::uint64_t policy) {
   asm volatile("{\n .reg .pred ignore;\n setp.lt.s32 ignore, %2, 0;\n"
                " cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, ignore, %3;\n}\n" ::"r"(dst), "l"(src),
