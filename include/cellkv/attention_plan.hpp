@@ -10,9 +10,10 @@
 //   decode   the segments whose rows (len x group) fit one decode item (<= AttentionShape::
 //            decode_rows: kDecodeRows, or kDecodeColumnRows for the fp8 kernel that puts positions
 //            on the MMA's M side; longer segments are prefilled), in step order, with the prefix
-//            sums of their tile counts. The decode kernel splits the sequence of (segment, KV head, tile) evenly over its workers (decode_chunk), so any
-//            mix of lengths keeps every worker equally busy; a (segment, head) cut by a chunk
-//            boundary is finished by merging the parts' partial softmax (part_slot, parts_of).
+//            sums of their tile counts. The decode kernel splits the sequence of (segment, KV head,
+//            tile) evenly over its workers (decode_chunk), so any mix of lengths keeps every
+//            worker equally busy; a (segment, head) cut by a chunk boundary is finished by
+//            merging the parts' partial softmax (part_slot, parts_of).
 //            Steps of few, short pairs run as teams instead (decode_assignment): the warps of a
 //            block share out its pairs, each pair's tiles split among a team merged in shared
 //            memory (a team of one: the pair whole).

@@ -350,7 +350,9 @@ class TableAttention {
   }
   template <int D>
   Status launch_decode(const kernels::DecodeArgs<In, Rows, S>& a, cudaStream_t stream) const {
-    return with_decode_kernel<D>(columns_, [&](auto columns) { return launch_decode_kernel<D, decltype(columns)::value>(a, stream); });
+    return with_decode_kernel<D>(columns_, [&](auto columns) {
+      return launch_decode_kernel<D, decltype(columns)::value>(a, stream);
+    });
   }
   template <int D, bool Columns>
   Status launch_decode_kernel(const kernels::DecodeArgs<In, Rows, S>& a, cudaStream_t stream) const {
