@@ -126,9 +126,9 @@ struct WgmmaPrefill {
 // shared finish's (shared_prefix_attention.cuh).
 inline constexpr int kPingPongBarrier = 2;
 // Whether the consumer warpgroups take turns (PingPong) or issue freely; CELLKV_PREFILL_PING_PONG=1
-// at build time turns the turns on. Off by default: on the H200 (2026-12-03) the turns gave 1-4%
-// at D 64 and 128 and cost 2% at D 256, and racecheck reported hazards on the shared-prefix fork
-// tree with them on, not yet explained (benchmarks/RESULTS.md).
+// at build time turns the turns on. Off by default: on the H200 (2026-12-04) the turns gave 0-2%
+// at D 64 and 128 (benchmarks/RESULTS.md). Built with them, the kernels pass compute-sanitizer's
+// memcheck, racecheck and synccheck.
 #ifndef CELLKV_PREFILL_PING_PONG
 #define CELLKV_PREFILL_PING_PONG 0
 #endif

@@ -54,6 +54,18 @@ inline constexpr int kFinishRowsPerBlock = 2 * 8;
 
 using DeviceCounter = ::cuda::atomic_ref<unsigned long long, ::cuda::thread_scope_device>;
 
+// Named barrier `barrier` of `threads` threads that also tells each of them whether `pred` held in
+// any of them (bar.red.or).
+__device__ __forceinline__ bool named_barrier_any(int barrier, int threads, bool pred) {
+  std::uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<std::uint32_t>(pred)), "r"(barrier), "r"(threads)
+      : "memory");
+  return any != 0;
+}
+
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -146,23 +158,23 @@ __device__ void own_parts(const LayerArgs<T, Rows, S>& a, const FinishedToken* f
 template <int D, class T, class Rows, class S>
 __device__ void finish_rows(const LayerArgs<T, Rows, S>& a, const FinishedToken* finished, int count, FinishSync sync,
                             int barrier, int threads, int thread) {
-  __shared__ int claim_slot;  // 1 + the claim counter's index, 0: this block leaves
-  auto sync_threads = [&] { asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory"); };
-  sync_threads();  // every thread's partials stored
+  asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");  // every thread's partials stored
+  bool all = false;  // thread 0: every block arrived (or this one is the last)
+  bool odd = false;  // thread 0: the generation's claim counter is claims[1]
   if (thread == 0) {
     const unsigned long long grid = gridDim.x;
     DeviceCounter arrivals(*sync.arrivals);
     const unsigned long long ticket = arrivals.fetch_add(1, ::cuda::memory_order_acq_rel);
     const unsigned long long generation = ticket / grid, target = (generation + 1) * grid;
-    bool all = ticket + 1 == target;
+    all = ticket + 1 == target;
     if (all) DeviceCounter(sync.claims[(generation + 1) % 2]).store(0, ::cuda::memory_order_relaxed);
     const unsigned long long until = global_ns() + kFinishWaitNs;
     while (!all && global_ns() < until) all = arrivals.load(::cuda::memory_order_acquire) >= target;
-    claim_slot = all ? static_cast<int>(generation % 2) + 1 : 0;
+    odd = generation % 2 == 1;
   }
-  sync_threads();
-  if (claim_slot == 0) return;
-  DeviceCounter claims(sync.claims[claim_slot - 1]);
+  // Thread 0's answers to every thread, through the barrier's own reduction (no shared memory).
+  if (!named_barrier_any(barrier, threads, all)) return;
+  DeviceCounter claims(sync.claims[named_barrier_any(barrier, threads, odd) ? 1 : 0]);
   const int lane = thread % 32;
   const unsigned long long rows = static_cast<unsigned long long>(count) * a.heads_q;
   for (;;) {
