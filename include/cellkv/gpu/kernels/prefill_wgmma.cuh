@@ -159,6 +159,11 @@ struct PingPong {
   }
 };
 
+// x, the same in every lane of the warp, as lane 0's: the compiler then knows it is warp-uniform and
+// keeps what derives from it (the wgmma descriptors of a stage or a query tile) in uniform
+// registers, instead of moving each descriptor there (R2UR) before every wgmma.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 __device__ __forceinline__ void wait_phase(std::uint64_t* bar, std::uint32_t parity) {
   while (!::cuda::ptx::mbarrier_try_wait_parity(bar, parity)) {
   }
@@ -466,7 +471,7 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
   auto k_tile = [&](int stage) { return base + static_cast<std::uint32_t>(stage * L::kStageBytes); };
   auto v_tile = [&](int stage) { return k_tile(stage) + static_cast<std::uint32_t>(L::KV::kBytes); };
   auto take = [&](Cursor& next, std::uint64_t* full) {  // the next tile of a ring, once the producer filled it
-    const int stage = next.stage;
+    const int stage = warp_uniform(next.stage);
     wait_phase(full + stage, next.phase);
     next.next();
     return stage;
@@ -594,7 +599,8 @@ __device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const W
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
     work.template before_items<D>(static_cast<int>(threadIdx.x) - kWarpgroup);
-    consume_tiles<T, D>(a, work, threadIdx.x / kWarpgroup - 1, base, absent, item_slots, bar);
+    consume_tiles<T, D>(a, work, warp_uniform(static_cast<int>(threadIdx.x) / kWarpgroup - 1), base, absent, item_slots,
+                        bar);
     work.template after_items<D>(static_cast<int>(threadIdx.x) - kWarpgroup);
   }
 #else

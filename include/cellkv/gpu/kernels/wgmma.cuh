@@ -44,10 +44,11 @@ __device__ __forceinline__ std::uint64_t sw128_descriptor(std::uint32_t addr, st
          static_cast<std::uint64_t>((stride >> 4) & 0x3FFF) << 32 | std::uint64_t{1} << 62;
 }
 
-// A descriptor `bytes` further into shared memory (no carry leaves the address field: shared
-// addresses stay below 256 KB).
+// A descriptor `bytes` further into shared memory: a 32-bit add to the low word, whose address
+// field takes no carry out (shared addresses stay below 256 KB).
 __device__ __forceinline__ std::uint64_t advance(std::uint64_t descriptor, std::uint32_t bytes) {
-  return descriptor + (bytes >> 4);
+  const std::uint32_t low = static_cast<std::uint32_t>(descriptor) + (bytes >> 4);
+  return (descriptor & 0xFFFFFFFF00000000ull) | low;
 }
 
 // A = Q or B = K^T for k-step kk (D columns [16 kk, 16 kk + 16)) of a Q or K tile [Rows][D]
