@@ -171,6 +171,25 @@ struct RowState {
   }
 };
 
+// A 4 x 4 block of words over a quad, transposed: on entry lane q of the quad holds row q (w[t]:
+// element (q, t)), on return column q (w[t]: element (t, q)). Two butterfly exchanges: with lane
+// q ^ 1 the two words whose index differs from q in bit 0, then with lane q ^ 2 the two whose index
+// differs from q in bit 1. After the first, slot t holds the element of row (q & 2) | (t & 1) or
+// its partner's, column (t & 2) | (q & 1); after the second, row t, column q.
+__device__ __forceinline__ void quad_transpose(std::uint32_t (&w)[4], int lane) {
+  const bool odd = (lane & 1) != 0, high = (lane & 2) != 0;
+#pragma unroll
+  for (int hi = 0; hi < 4; hi += 2) {  // slots hi, hi + 1: keep the one of q's parity, trade the other
+    const std::uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? w[hi] : w[hi + 1], 1);
+    (odd ? w[hi] : w[hi + 1]) = got;
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {  // slots i, 2 + i: keep the pair of q's bit 1, trade the other
+    const std::uint32_t got = __shfl_xor_sync(0xffffffffu, high ? w[i] : w[2 + i], 2);
+    (high ? w[i] : w[2 + i]) = got;
+  }
+}
+
 // A lane's share of row (lane / 4) + 8 h of a finished state, normalized in place (no copy: the
 // state is dead after its rows are written): v(j) is the output at column column(j, lane), lse the
 // row's log2-sum-exp of its scores (-inf when it saw nothing).
@@ -191,6 +210,23 @@ struct RowHalf {
   __device__ static __forceinline__ int row(int h, int lane) { return (lane >> 2) + 8 * h; }
   __device__ __forceinline__ float& v(int j) const { return st.o[j / 2][2 * h + (j & 1)]; }
   __device__ static __forceinline__ int column(int j, int lane) { return (j / 2) * 8 + (lane & 3) * 2 + (j & 1); }
+  // Stores the row (the quad's four lanes together; dst: the row's D elements of T, 16-byte
+  // aligned, the same in the quad's lanes; nullptr: nothing stored) in 16-byte pieces: each
+  // quad_transpose of four 8-column blocks leaves a lane one whole block (8 columns), so a warp's
+  // store covers 64 bytes of each of its 8 rows, not 16. Every lane of the warp must call it (it
+  // shuffles), whether its quad stores or not.
+  template <class T>
+  __device__ __forceinline__ void store_row(T* dst, int lane) const {
+    static_assert(D % 32 == 0, "whole groups of four 8-column blocks");
+#pragma unroll
+    for (int g = 0; g < D / 32; ++g) {
+      std::uint32_t w[4];  // w[t]: columns 8 (4 g + t) + 2 (lane % 4), + 1
+#pragma unroll
+      for (int t = 0; t < 4; ++t) w[t] = pack2<T>(v(8 * g + 2 * t), v(8 * g + 2 * t + 1));
+      quad_transpose(w, lane);  // w[t]: columns 8 (4 g + lane % 4) + 2 t, + 1
+      if (dst != nullptr) *reinterpret_cast<uint4*>(dst + 8 * (4 * g + (lane & 3))) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
   // Stores this lane's share as a partial: o_row [D] fp32, *lse_row (one lane of the quad writes it).
   __device__ __forceinline__ void store_partial(float* o_row, float* lse_row, int lane) const {
 #pragma unroll

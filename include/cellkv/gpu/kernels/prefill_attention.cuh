@@ -344,7 +344,7 @@ __device__ void attend_block(const LayerArgs<T, Rows, S>& a, const QRows& it, co
 // Writes a warp's rows to the layer output (token-major [T, H_q, D]), each folded with its token's
 // shared-prefix partials when `folds` (the segment's own_begin > 0: exactly the segments whose
 // tokens have partial slots, sharing_planner.hpp). The state is consumed. The output is 16-byte
-// aligned (the launch checks it), so a lane's two adjacent columns go out as one 4-byte store.
+// aligned (the launch checks it): the quad's lanes store 16-byte pieces (RowHalf::store_row).
 template <class T, int D, class Rows, class QRows, class S = T>
 __device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, int hk, RowState<D>& st, int lane,
                            bool folds) {
@@ -353,15 +353,15 @@ __device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, in
   for (int h = 0; h < 2; ++h) {
     const int r = (lane >> 2) + 8 * h;
     const R res(st, h);
-    if (r >= mine.rows) continue;
-    const int token = mine.token(r), head = mine.head(hk, r);
-    auto column = [&](int j) { return R::column(j, lane); };
-    if (folds)
-      a.shared.template fold<D, R::kValues>(token, head, a.heads_q, res.lse, column, [&](int j) -> float& { return res.v(j); });
-    T* dst = a.out + (static_cast<std::int64_t>(token) * a.heads_q + head) * D;
-#pragma unroll
-    for (int j = 0; j < R::kValues; j += 2)
-      *reinterpret_cast<std::uint32_t*>(dst + column(j)) = pack2<T>(res.v(j), res.v(j + 1));
+    T* row = nullptr;  // stays null for a row past the item's: the quad stores nothing
+    if (r < mine.rows) {
+      const int token = mine.token(r), head = mine.head(hk, r);
+      auto column = [&](int j) { return R::column(j, lane); };
+      if (folds)
+        a.shared.template fold<D, R::kValues>(token, head, a.heads_q, res.lse, column, [&](int j) -> float& { return res.v(j); });
+      row = a.out + (static_cast<std::int64_t>(token) * a.heads_q + head) * D;
+    }
+    res.store_row(row, lane);  // every lane: the quads exchange values
   }
 }
 
