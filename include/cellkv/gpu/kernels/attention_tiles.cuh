@@ -174,8 +174,8 @@ struct RowState {
 // A 4 x 4 block of words over a quad, transposed: on entry lane q of the quad holds row q (w[t]:
 // element (q, t)), on return column q (w[t]: element (t, q)). Two butterfly exchanges: with lane
 // q ^ 1 the two words whose index differs from q in bit 0, then with lane q ^ 2 the two whose index
-// differs from q in bit 1. After the first, slot t holds the element of row (q & 2) | (t & 1) or
-// its partner's, column (t & 2) | (q & 1); after the second, row t, column q.
+// differs from q in bit 1. After the first, slot t holds element (row (q & 2) | (t & 1), column
+// (t & 2) | (q & 1)); after the second, element (t, q).
 __device__ __forceinline__ void quad_transpose(std::uint32_t (&w)[4], int lane) {
   const bool odd = (lane & 1) != 0, high = (lane & 2) != 0;
 #pragma unroll
