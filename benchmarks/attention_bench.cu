@@ -26,7 +26,10 @@
 // (cellkv-bench-churn measures a cache after long serving churn).
 //
 //   build/benchmarks/cellkv-bench-attention [--quick] [--out FILE] [--only WORK | --only WORK:SHAPE]
-//   (e.g. --only decode, --only decode:16x4k, --only prefill:1x8k_d64, --only mixed)
+//                                           [--decode-shapes NxL,NxL,..]
+//   (e.g. --only decode, --only decode:16x4k, --only prefill:1x8k_d64, --only mixed; --decode-shapes
+//   256x128,256x512,16x1k: decode at these shapes instead of the four reference ones, L in tokens
+//   or with a k suffix, e.g. to fit time = fixed cost + bytes / rate over a series of lengths)
 #include <cellkv/cellkv.hpp>
 #include <cellkv/gpu/device_cache.cuh>
 #include <cellkv/gpu/stream.hpp>
@@ -43,6 +46,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -59,6 +63,7 @@ struct Options {
   bool quick = false;
   std::FILE* out = stdout;
   std::string only;  // "decode" or "decode:16x4k": just that work or measurement; empty: all
+  std::vector<std::pair<std::int32_t, std::int32_t>> decode_shapes;  // empty: the reference shapes
 
   [[nodiscard]] bool wants(const char* work, const std::string& shape) const {
     return only.empty() || only == work || only == std::string(work) + ":" + shape;
@@ -245,6 +250,25 @@ void bench_overhead(const Options& o) {
   bench::emit(o.out, "overhead", "256tok_256kcells", "cellkv_step_overhead_host", h * 1e-3, h, "us");
 }
 
+// "NxL,NxL,.." (L a count of tokens, or of 1,024 with a k suffix) -> the shapes; throws on a bad list.
+std::vector<std::pair<std::int32_t, std::int32_t>> parse_shapes(const std::string& list) {
+  std::vector<std::pair<std::int32_t, std::int32_t>> shapes;
+  std::size_t at = 0;
+  while (at < list.size()) {
+    const std::size_t end = std::min(list.find(',', at), list.size());
+    const std::string item = list.substr(at, end - at);
+    char* rest = nullptr;
+    const long n = std::strtol(item.c_str(), &rest, 10);
+    long len = *rest == 'x' ? std::strtol(rest + 1, &rest, 10) : 0;
+    if (*rest == 'k') len *= 1024, ++rest;
+    if (n <= 0 || len <= 0 || *rest != '\0' || n > 4096 || len > (1 << 20))
+      throw std::runtime_error("bad decode shape '" + item + "' (want NxL, e.g. 16x4k)");
+    shapes.emplace_back(static_cast<std::int32_t>(n), static_cast<std::int32_t>(len));
+    at = end + 1;
+  }
+  return shapes;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -253,6 +277,14 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--quick") == 0) o.quick = true;
     if (std::strcmp(argv[i], "--out") == 0 && i + 1 < argc) o.out = std::fopen(argv[++i], "w");
     if (std::strcmp(argv[i], "--only") == 0 && i + 1 < argc) o.only = argv[++i];
+    if (std::strcmp(argv[i], "--decode-shapes") == 0 && i + 1 < argc) {
+      try {
+        o.decode_shapes = parse_shapes(argv[++i]);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "cellkv-bench-attention: %s\n", e.what());
+        return 2;
+      }
+    }
   }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || o.out == nullptr) {
@@ -264,7 +296,9 @@ int main(int argc, char** argv) {
   using Slots = gpu::DeviceCache<layout::sequence, bf16, Model>;
   using Fp8Clustered = gpu::DeviceCache<layout::cell, gpu::Fp8<bf16>, Model, placement::clustered<64>>;
   using Fp8Slots = gpu::DeviceCache<layout::sequence, gpu::Fp8<bf16>, Model>;
-  const std::pair<std::int32_t, std::int32_t> decode[] = {{1, 32768}, {16, 4096}, {64, 2048}, {256, 1024}};
+  const std::vector<std::pair<std::int32_t, std::int32_t>> decode =
+      o.decode_shapes.empty() ? std::vector<std::pair<std::int32_t, std::int32_t>>{{1, 32768}, {16, 4096}, {64, 2048}, {256, 1024}}
+                              : o.decode_shapes;
   const std::pair<std::int32_t, std::int32_t> prefill[] = {{1, 8192}, {8, 1024}, {4, 4096}};
   std::fprintf(stderr, "cellkv attention benchmark: bf16, H_q %d, H_kv %d, D %d (unless a shape says _dD), one layer\n",
                kHq, kHkv, kD);

@@ -9,6 +9,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -52,11 +53,20 @@ inline void fill_scales(float* p, std::size_t n, float scale) {
 }
 
 // Median milliseconds of one call of f(): `samples` samples of `reps` back-to-back calls, after
-// three warm-up calls.
+// warm-up calls for at least `warm_ms` of wall time (eight calls at least): an idle GPU runs at
+// a low clock and takes milliseconds of load to reach its boost clock, so a few calls of a short
+// step would be timed at the wrong clock.
 template <class F>
-double time_ms(F&& f, cudaStream_t stream, int reps, int samples) {
+double time_ms(F&& f, cudaStream_t stream, int reps, int samples, double warm_ms = 25.0) {
   gpu::Event start(true), stop(true);
-  for (int i = 0; i < 3; ++i) f();
+  const auto warm_start = std::chrono::steady_clock::now();
+  for (int calls = 0;; ++calls) {
+    f();
+    if (calls % 8 != 7) continue;
+    CELLKV_CUDA_THROW(cudaStreamSynchronize(stream));
+    const std::chrono::duration<double, std::milli> spent = std::chrono::steady_clock::now() - warm_start;
+    if (spent.count() >= warm_ms) break;
+  }
   std::vector<float> ms;
   for (int s = 0; s < samples; ++s) {
     (void)start.record(stream);

@@ -14,9 +14,9 @@
 //            tile) evenly over its workers (decode_chunk), so any mix of lengths keeps every
 //            worker equally busy; a (segment, head) cut by a chunk boundary is finished by
 //            merging the parts' partial softmax (part_slot, parts_of).
-//            Steps of few, short pairs run as teams instead (decode_assignment): the warps of a
-//            block share out its pairs, each pair's tiles split among a team merged in shared
-//            memory (a team of one: the pair whole).
+//            Steps of no more pairs than workers run as teams instead where that costs no more
+//            (decode_assignment): the warps of a block share out its pairs, each pair's tiles
+//            split among a team merged in shared memory (a team of one: the pair whole).
 //   prefill  one item per AttentionShape::prefill_rows query rows of every other segment: the rows
 //            one block of the prefill kernel that runs takes at once.
 #pragma once
@@ -203,30 +203,48 @@ CELLKV_HOST_DEVICE constexpr std::int64_t decode_chunk(std::int64_t total, std::
 // How the decode kernel's `blocks` x `warps` workers share a step's `pairs` (segment, KV head)
 // pairs of `total` tiles, the longest `longest` tiles:
 //   even  the flat tiles cut into equal chunks (decode_chunk); a pair cut by a chunk boundary is
-//         merged through global memory (partial written, counted, read back: a chain of dependent
-//         round trips that costs about as much as streaming several tiles).
-//   team  block b takes pairs [b per_block, (b + 1) per_block), `team` consecutive warps per pair,
-//         each warp an equal share of its pair's tiles; a team's parts merge in the block's shared
-//         memory after one block barrier. A team of one streams its pair whole.
-// Teams of two or more when each warp then streams at most kTeamTiles tiles (steps of few, short
-// pairs, where the even split would cut every pair into one-tile parts); a team of one when the
-// longest pair is at most twice the even chunk (many pairs, at most one per worker, where the even
-// split would cut most pairs at a chunk boundary); else even.
+//         merged through global memory, kDecodeMergeFanIn parts a level (partial written, counted,
+//         read back: a chain of dependent round trips; on the H200 a level took about 5 us at the
+//         end of a step, while a tile streams in about 3 us: kMergeLevelTiles).
+//   team  block b takes pairs [b per_block, (b + 1) per_block), teams of warps / per_block
+//         consecutive warps per pair, each warp an equal share of its pair's tiles; a team's parts
+//         merge in the block's shared memory after one block barrier. A team of one streams its
+//         pair whole.
+// Teams of two or more when each warp then streams at most as many tiles as the even split's
+// chunk plus the cost of merging the longest pair's parts in global memory (or kTeamTiles, for
+// steps of few, short pairs where the even split would cut every pair into one-tile parts); a
+// team of one when the longest pair is at most twice the even chunk (many pairs, at most one per
+// worker, where the even split would cut most pairs at a chunk boundary); else even.
 inline constexpr std::int32_t kTeamTiles = 2;
+inline constexpr std::int32_t kDecodeMergeFanIn = 8;  // parts one global merge combines
+inline constexpr std::int32_t kMergeLevelTiles = 2;   // a level of global merges, in tiles streamed
 struct DecodeAssignment {
   bool even = true;
   std::int32_t team = 1;       // warps per pair (team assignment)
   std::int32_t per_block = 0;  // pairs per block (team assignment)
 };
+// Levels of kDecodeMergeFanIn-way merges that combine `parts` parts into one (0 for one part).
+CELLKV_HOST_DEVICE constexpr std::int32_t merge_levels(std::int64_t parts) noexcept {
+  std::int32_t levels = 0;
+  for (std::int64_t merged = 1; merged < parts; merged *= kDecodeMergeFanIn) ++levels;
+  return levels;
+}
+// What the even split costs its busiest worker, in tiles streamed: its chunk, then the merge
+// levels of the longest pair's parts.
+CELLKV_HOST_DEVICE constexpr std::int64_t even_split_cost(std::int64_t chunk, std::int32_t longest) noexcept {
+  return chunk + static_cast<std::int64_t>(kMergeLevelTiles) * merge_levels((longest + chunk - 1) / chunk);
+}
 CELLKV_HOST_DEVICE constexpr DecodeAssignment decode_assignment(std::int64_t pairs, std::int32_t blocks, std::int32_t warps,
                                                                std::int32_t longest, std::int64_t total) noexcept {
   const std::int64_t workers = static_cast<std::int64_t>(blocks) * warps;
   if (pairs <= 0 || pairs > workers) return {};
   const auto per_block = static_cast<std::int32_t>((pairs + blocks - 1) / blocks);
-  std::int32_t team = 1;
-  while (team * 2 * per_block <= warps) team *= 2;
-  if (team >= 2 && (longest + team - 1) / team <= kTeamTiles) return {false, team, per_block};
-  if (longest <= 2 * decode_chunk(total, static_cast<std::int32_t>(workers))) return {false, 1, per_block};
+  const std::int32_t team = warps / per_block;
+  const std::int64_t chunk = decode_chunk(total, static_cast<std::int32_t>(workers));
+  const std::int64_t even_cost = even_split_cost(chunk, longest);
+  if (team >= 2 && (longest + team - 1) / team <= (even_cost > kTeamTiles ? even_cost : kTeamTiles))
+    return {false, team, per_block};
+  if (longest <= 2 * chunk) return {false, 1, per_block};
   return {};
 }
 

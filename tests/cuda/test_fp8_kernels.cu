@@ -14,6 +14,7 @@
 // Prompts run the prefill kernel, the following steps the decode kernel.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -89,7 +90,8 @@ template <int D>
 void run(const Magnitudes& m, std::int32_t prompt, std::int32_t decodes, std::int32_t nan_seq, std::uint64_t seed,
          bool nan_in_v = false) {
   using Cache = gpu::DeviceCache<layout::cell, gpu::Fp8<bf16>, Windows<0>, placement::clustered<64>>;
-  Cache cache({.max_write = 512, .max_cells = 4096, .max_seqs = 8}, {.layers = 1, .heads_kv = kHkv, .head_dim = D, .heads_q = kHq});
+  Cache cache({.max_write = std::max(512, prompt), .max_cells = std::max(4096, 3 * (prompt + decodes) + 64), .max_seqs = 8},
+              {.layers = 1, .heads_kv = kHkv, .head_dim = D, .heads_q = kHq});
   REQUIRE(cache.runs_table_kernels());
   HostFp8Pool host(1, cache.pool().rows(), kHkv, D);
   gpu::Stream stream;
@@ -152,6 +154,15 @@ TEST_CASE("fp8 table kernels: magnitudes far outside fp16 stay within tolerance 
   run<128>(tiny, 65, 2, -1, 4);
   const Magnitudes huge{29, 29.5, 25, 30, -30, -29.5};  // huge K and V (outputs near 1e30), tiny queries
   run<128>(huge, 65, 2, -1, 5);
+}
+
+// Three sequences of 1,500 prompt tokens at D 128: 6 (sequence, KV head) pairs of 47 tiles, each
+// run as a team of all 12 warps of a block (4 tiles a warp, merged in shared memory), where the even
+// split would stream one tile a worker and merge a pair's 47 parts in global memory
+// (decode_assignment).
+TEST_CASE("fp8 table kernels: few long pairs decode as teams of 12 warps") {
+  const Magnitudes normal{0, 0, 0, 0, 0, 0};
+  run<128>(normal, 1500, 3, -1, 11);
 }
 
 TEST_CASE("fp8 table kernels: a NaN in one K row-head poisons only the query heads that see it") {

@@ -265,14 +265,17 @@ TEST_CASE("table kernels: one long sequence is split over many warps and merged,
   require_device_ok();
 }
 
-// Decode steps of 12 sequences of 20-105 positions: 24 (sequence, KV head) pairs of at most 7 tiles,
-// fewer than the decode grid's blocks, so each pair runs as a team of the block's warps (8; 4 of the
-// 5 for D 256), at most two tiles a warp, its parts merged in shared memory (decode_assignment); a
-// step of 2-token segments too.
+// Decode steps of 12 sequences of `min_len` + [0, spread) positions: 24 (sequence, KV head) pairs,
+// fewer than the decode grid's blocks, so each pair runs as a team of the block's warps (8; 5 for
+// D 256), its parts merged in shared memory (decode_assignment); a step of 2-token segments too.
+// 20-105 positions: at most 7 tiles a pair, two tiles a warp. 1,500-2,000 (D 128, 64-position
+// tiles): up to 32 tiles a pair, 4 a warp, where the even split would stream one and merge the
+// parts of a pair in global memory in two levels.
 template <class Cache>
-void team_steps(std::int32_t head_dim) {
+void team_steps(std::int32_t head_dim, std::int32_t min_len = 20, std::int32_t spread = 86) {
   CAPTURE(head_dim);
-  Cache cache = make_cache<Cache>({8, 2, head_dim, 64, 4096}, 16);
+  CAPTURE(min_len);
+  Cache cache = make_cache<Cache>({8, 2, head_dim, 64, 16 * (min_len + spread + 64)}, 16);  // max_len: cells / 16
   REQUIRE(cache.runs_table_kernels());
   ForwardHarness<Cache> harness(cache, 8, 64);
   gpu::Stream stream;
@@ -281,7 +284,7 @@ void team_steps(std::int32_t head_dim) {
   for (int i = 0; i < 12; ++i) {
     const std::int32_t seq = cache.seq_new().value();
     seqs.push_back(seq);
-    for (std::int32_t n = 20 + static_cast<std::int32_t>(rng() % 80); n > 0; n -= 64) {
+    for (std::int32_t n = min_len + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(spread)); n > 0; n -= 64) {
       const std::int32_t chunk = std::min<std::int32_t>(n, 64);
       REQUIRE(cache.declare_step(std::vector<std::int32_t>(static_cast<std::size_t>(chunk), seq)).ok());
       REQUIRE(cache.upload(stream).ok());
@@ -306,6 +309,11 @@ TEST_CASE("table kernels: steps of few short pairs run as teams of warps merged 
     team_steps<Cells<__nv_bfloat16, placement::clustered<64>>>(D);
     team_steps<Slots<__half>>(D);
   }
+}
+
+TEST_CASE("table kernels: steps of few long pairs run as teams too, several tiles a warp") {
+  team_steps<Cells<__nv_bfloat16, placement::lowest_free>>(128, 1500, 500);
+  team_steps<Slots<__nv_bfloat16>>(128, 1500, 500);
 }
 
 TEST_CASE("table kernels: graph replay across random mixes needs no recapture") {

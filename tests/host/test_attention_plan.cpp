@@ -217,13 +217,33 @@ TEST_CASE("decode work: teams for few short pairs, whole pairs for about one per
   CHECK((!more.even && more.team == 4 && more.per_block == 2));
   // 400 pairs: four per block, teams of 2, up to kTeamTiles tiles a warp.
   CHECK(decode_assignment(400, 132, 8, 4, 400 * 4).team == 2);
-  CHECK(decode_assignment(400, 132, 8, 5, 400 * 4).even);  // 3 tiles a warp; longest 5 > 2 x chunk 2
+  // Longest 5: teams of 2 stream 3 tiles a warp; the even split 2 (chunk), then one level of merges
+  // in global memory for the 3 parts of a pair (kMergeLevelTiles): the teams.
+  const DecodeAssignment five = decode_assignment(400, 132, 8, 5, 400 * 4);
+  CHECK((!five.even && five.team == 2 && five.per_block == 4));
+  // 400 pairs, longest 9: teams of 2 would stream 5 tiles a warp, the even split 2, then one level
+  // of merges (the 5 parts of the longest pair): 4.
+  CHECK(decode_assignment(400, 132, 8, 9, 400 * 4).even);
   // 256 x 4 pairs of 6 tiles: eight pairs per block, one warp each, whole (chunk 6).
   const DecodeAssignment many = decode_assignment(1024, 132, 8, 7, 1024 * 6);
   CHECK((!many.even && many.team == 1 && many.per_block == 8));
   CHECK(decode_assignment(1024, 132, 8, 13, 1024 * 6).even);  // longest past twice the chunk
   // Long pairs (one 32k-position sequence, 8 KV heads): the even split.
   CHECK(decode_assignment(8, 132, 8, 2048, 8 * 2048).even);
+  // 12 warps a block (the fp8 decode kernel at D 128): teams need not be powers of two.
+  // 16 sequences x 8 KV heads of 129 tiles (4,096 positions of 32): one pair per block, a team of
+  // all 12 warps streams 11 tiles a warp, as many as the even split's chunk (11, whose 12 parts a
+  // pair then merge in two levels).
+  const DecodeAssignment long_pairs = decode_assignment(128, 132, 12, 129, 128 * 129);
+  CHECK((!long_pairs.even && long_pairs.team == 12 && long_pairs.per_block == 1));
+  // 64 x 8 pairs of 65 tiles: four pairs per block, teams of 3 (22 tiles a warp; even: 22 + merges).
+  const DecodeAssignment four = decode_assignment(512, 132, 12, 65, 512 * 65);
+  CHECK((!four.even && four.team == 3 && four.per_block == 4));
+  // One sequence of 8 KV heads of 65 tiles: teams of 12 stream 6 tiles a warp; the even split
+  // streams one, then merges the 65 parts of a pair in three levels (1 + 3 x 2 tiles).
+  CHECK(!decode_assignment(8, 132, 12, 65, 8 * 65).even);
+  // ... of 257 tiles: 22 a warp in teams against 2 + 3 x 2: the even split.
+  CHECK(decode_assignment(8, 132, 12, 257, 8 * 257).even);
   // More pairs than workers, or none.
   CHECK(decode_assignment(1057, 132, 8, 1, 1057).even);
   CHECK(decode_assignment(0, 132, 8, 0, 0).even);
@@ -233,21 +253,27 @@ TEST_CASE("decode work: every pair has a team in its block, and the teams fit it
   std::mt19937 rng(5);
   for (int trial = 0; trial < 2000; ++trial) {
     CAPTURE(trial);
-    const std::int32_t blocks = 1 + static_cast<std::int32_t>(rng() % 140), warps = 1 << (rng() % 4);
+    const std::int32_t blocks = 1 + static_cast<std::int32_t>(rng() % 140), warps = 1 + static_cast<std::int32_t>(rng() % 16);
     const std::int64_t pairs = 1 + static_cast<std::int64_t>(rng() % (static_cast<std::uint64_t>(blocks) * warps + 8));
     const std::int32_t longest = 1 + static_cast<std::int32_t>(rng() % 40);
-    const DecodeAssignment as = decode_assignment(pairs, blocks, warps, longest, pairs * (1 + longest) / 2);
+    const std::int64_t total = pairs * (1 + longest) / 2;
+    const DecodeAssignment as = decode_assignment(pairs, blocks, warps, longest, total);
     if (as.even) continue;
     CHECK(as.team * as.per_block <= warps);                               // the teams fit a block
+    CHECK((as.team + 1) * as.per_block > warps);                          // as large as fit
     CHECK(static_cast<std::int64_t>(as.per_block) * blocks >= pairs);     // every pair has a block
-    CHECK((as.team & (as.team - 1)) == 0);                                // a power of two
-    if (as.team > 1) CHECK((longest + as.team - 1) / as.team <= kTeamTiles);
+    // A team's warp streams no more than a worker of the even split would, merges included (in
+    // tiles: chunk + 2 a merge level of 8 parts, brute-forced here), or kTeamTiles.
+    const std::int64_t chunk = decode_chunk(total, blocks * warps);
+    std::int64_t parts = (longest + chunk - 1) / chunk, levels = 0;
+    while (parts > 1) parts = (parts + 7) / 8, ++levels;
+    if (as.team > 1) CHECK((longest + as.team - 1) / as.team <= std::max<std::int64_t>(kTeamTiles, chunk + 2 * levels));
   }
 }
 
 TEST_CASE("decode work: a team's shares cover its pair once, and team_members counts the warps with tiles") {
-  for (std::int32_t team = 1; team <= 8; team *= 2)
-    for (std::int32_t tiles = 1; tiles <= 40; ++tiles) {
+  for (std::int32_t team = 1; team <= 16; ++team)
+    for (std::int32_t tiles = 1; tiles <= 160; ++tiles) {
       CAPTURE(team);
       CAPTURE(tiles);
       std::vector<int> covered(static_cast<std::size_t>(tiles), 0);

@@ -5,8 +5,8 @@
 // the positions [visible_begin(W, first token), last token] of their sequence, which are
 // tiles(seg) KV tiles of kPositions positions. The tiles of every pair, in (segment, head, tile)
 // order, are cut into equal chunks, one per worker (a warp): every worker streams the same number
-// of tiles whatever the lengths and wherever the cells are. Steps of few, short pairs, or of about
-// one pair per worker, run as teams instead (decode_assignment): the warps of a block share out its
+// of tiles whatever the lengths and wherever the cells are. Steps of no more pairs than workers run
+// as teams instead where that costs no more (decode_assignment): the warps of a block share out its
 // pairs, a pair's tiles split among its team, whose parts merge in shared memory after one block
 // barrier (a team of one: the pair whole, no merge).
 //
@@ -44,7 +44,7 @@
 
 namespace cellkv::gpu::kernels {
 
-inline constexpr int kMergeFanIn = 8;   // parts one merge combines
+inline constexpr int kMergeFanIn = kDecodeMergeFanIn;  // parts one merge combines (attention_plan.hpp)
 inline constexpr int kMergeLevels = 4;  // up to 8^4 parts per pair
 
 // fp8: the fp16 tiles a warp converts codes into for head dim D (DecodeTile::kDirectK, kDirectV): K and
