@@ -268,9 +268,9 @@ TEST_CASE("table kernels: one long sequence is split over many warps and merged,
 // Decode steps of 12 sequences of `min_len` + [0, spread) positions: 24 (sequence, KV head) pairs,
 // fewer than the decode grid's blocks, so each pair runs as a team of the block's warps (8; 5 for
 // D 256), its parts merged in shared memory (decode_assignment); a step of 2-token segments too.
-// 20-105 positions: at most 7 tiles a pair, two tiles a warp. 1,500-2,000 (D 128, 64-position
-// tiles): up to 32 tiles a pair, 4 a warp, where the even split would stream one and merge the
-// parts of a pair in global memory in two levels.
+// 20-105 positions: at most 7 tiles a pair, two tiles a warp. 400-600 (D 128, 16-position tiles):
+// up to 38 tiles a pair, 5 a warp, where the even split would stream one tile a worker and merge
+// the parts of a pair in global memory in two levels.
 template <class Cache>
 void team_steps(std::int32_t head_dim, std::int32_t min_len = 20, std::int32_t spread = 86) {
   CAPTURE(head_dim);
@@ -312,8 +312,8 @@ TEST_CASE("table kernels: steps of few short pairs run as teams of warps merged 
 }
 
 TEST_CASE("table kernels: steps of few long pairs run as teams too, several tiles a warp") {
-  team_steps<Cells<__nv_bfloat16, placement::lowest_free>>(128, 1500, 500);
-  team_steps<Slots<__nv_bfloat16>>(128, 1500, 500);
+  team_steps<Cells<__nv_bfloat16, placement::lowest_free>>(128, 400, 200);
+  team_steps<Slots<__nv_bfloat16>>(128, 400, 200);
 }
 
 TEST_CASE("table kernels: graph replay across random mixes needs no recapture") {
