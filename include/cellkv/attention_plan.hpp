@@ -10,9 +10,10 @@
 //   decode   the segments whose rows (len x group) fit one decode item (<= AttentionShape::
 //            decode_rows: kDecodeRows, or kDecodeColumnRows for the fp8 kernel that puts positions
 //            on the MMA's M side; longer segments are prefilled), in step order, with the prefix
-//            sums of their tile counts. The decode kernel splits the sequence of (segment, KV head,
-//            tile) evenly over its workers (decode_chunk), so any mix of lengths keeps every
-//            worker equally busy; a (segment, head) cut by a chunk boundary is finished by
+//            sums of their tile counts. The decode kernel splits each KV head's sequence of
+//            (segment, tile) evenly over that head's share of its workers (even_part), every head
+//            the same way, so any mix of lengths keeps every worker equally busy and all heads
+//            read the same cells at once; a (segment, head) cut by a chunk boundary is finished by
 //            merging the parts' partial softmax (part_slot, parts_of).
 //            Steps of no more pairs than workers run as teams instead where that costs no more
 //            (decode_assignment): the warps of a block share out its pairs, each pair's tiles
@@ -103,7 +104,9 @@ struct PrefillItem {
 
 // One window's work, in fixed-capacity arrays (device or staging memory).
 struct WindowWork {
-  std::int32_t* counts = nullptr;         // [3]: decode segments, prefill items, tiles of the longest decode segment
+  // [4]: decode segments, prefill items, tiles of the longest decode segment, tiles of all decode
+  // segments (a KV head's: decode_prefix[decode segments], here too so the kernel need not wait for it)
+  std::int32_t* counts = nullptr;
   std::int32_t* decode_seg = nullptr;     // [max_write] segment index of each decode segment
   std::int32_t* decode_prefix = nullptr;  // [max_write + 1] tiles of the decode segments before each
   PrefillItem* prefill = nullptr;         // [max_prefill_items]
@@ -111,6 +114,7 @@ struct WindowWork {
   CELLKV_HOST_DEVICE std::int32_t decode_count() const noexcept { return counts[0]; }
   CELLKV_HOST_DEVICE std::int32_t prefill_count() const noexcept { return counts[1]; }
   CELLKV_HOST_DEVICE std::int32_t longest_decode_pair() const noexcept { return counts[2]; }
+  CELLKV_HOST_DEVICE std::int32_t decode_head_tiles() const noexcept { return counts[3]; }
 };
 
 // Whether a segment is decoded (its rows fit one decode item of decode_rows rows) rather than
@@ -176,6 +180,7 @@ inline void plan_window(std::span<const Segment> segments, const std::int32_t* o
   out.counts[0] = decode;
   out.counts[1] = prefill;
   out.counts[2] = longest;
+  out.counts[3] = tiles;
 }
 
 // The item block `block` of `blocks` takes in its round n of `items` (-1: none left): items are
@@ -190,22 +195,61 @@ CELLKV_HOST_DEVICE constexpr std::int32_t dealt_item(std::int32_t n, std::int32_
 
 // ---- the decode split (host and device agree on it; tests check it on the host) ----
 //
-// The decode work of a window is the sequence of tiles of (decode segment d, KV head h) pairs,
-// ordered by (d, h, tile): pair p = d * H_kv + h covers [prefix[d] H_kv + h tiles(d),
-// prefix[d] H_kv + (h + 1) tiles(d)). Worker w takes tiles [w chunk, (w + 1) chunk).
+// The decode work of a window is, for each KV head, the same sequence of tiles: those of every
+// decode segment d in step order, tiles(d) from tile prefix[d] on (L = prefix[n] a head). Tile x of
+// head h sits at flat index h * stride + x; pair (d, h) covers [h stride + prefix[d],
+// h stride + prefix[d + 1]). The even split gives each head head_workers = workers / H_kv workers
+// (decode_head_workers) and cuts its L tiles into equal chunks (stride = head_workers x chunk, so
+// no chunk crosses a head): part w = h head_workers + c takes flat tiles [w chunk, (w + 1) chunk),
+// head h's tiles [c chunk, (c + 1) chunk). Worker (warp) i takes head i % H_kv and chunk i / H_kv,
+// so at any moment every head's workers read the same cells: each cell's row (all heads of K and
+// of V) and its scales are read from DRAM together, not head by head at other times.
 
 // Tiles per worker for `total` tiles over `workers` workers.
 CELLKV_HOST_DEVICE constexpr std::int64_t decode_chunk(std::int64_t total, std::int32_t workers) noexcept {
   const std::int64_t even = (total + workers - 1) / workers;
   return even > kMinDecodeChunk ? even : kMinDecodeChunk;
 }
+// Workers of the even split a KV head gets (at least one: the kernels' grids have at least H_kv
+// warps, decode_min_blocks).
+CELLKV_HOST_DEVICE constexpr std::int32_t decode_head_workers(std::int64_t workers, std::int32_t heads_kv) noexcept {
+  const std::int64_t per_head = workers / heads_kv;
+  return per_head > 1 ? static_cast<std::int32_t>(per_head) : 1;
+}
+// Blocks of `warps` warps a decode grid needs at least: one worker a KV head.
+constexpr std::int32_t decode_min_blocks(std::int32_t heads_kv, std::int32_t warps) noexcept {
+  return (heads_kv + warps - 1) / warps;
+}
+
+// Worker `worker`'s part of the even split of `workers` workers: flat tiles [begin, end) (empty for
+// the workers past head_workers x H_kv, and for chunks past a head's tiles), the part's index
+// begin / chunk (its merge slots: part_slot), and the flat tiles between heads.
+struct EvenPart {
+  std::int64_t begin = 0, end = 0;
+  std::int64_t chunk = 1, stride = 1;
+};
+CELLKV_HOST_DEVICE constexpr EvenPart even_part(std::int64_t worker, std::int64_t workers, std::int32_t heads_kv,
+                                                std::int32_t head_tiles) noexcept {
+  const std::int32_t per_head = decode_head_workers(workers, heads_kv);
+  EvenPart p;
+  p.chunk = decode_chunk(head_tiles, per_head);
+  p.stride = per_head * p.chunk;
+  const std::int64_t h = worker % heads_kv, c = worker / heads_kv;
+  if (c >= per_head) return p;
+  const std::int64_t head_end = h * p.stride + head_tiles;
+  p.begin = h * p.stride + c * p.chunk;
+  p.end = p.begin + p.chunk < head_end ? p.begin + p.chunk : head_end;
+  if (p.end < p.begin) p.end = p.begin;
+  return p;
+}
 
 // How the decode kernel's `blocks` x `warps` workers share a step's `pairs` (segment, KV head)
-// pairs of `total` tiles, the longest `longest` tiles:
-//   even  the flat tiles cut into equal chunks (decode_chunk); a pair cut by a chunk boundary is
-//         merged through global memory, kDecodeMergeFanIn parts a level (partial written, counted,
-//         read back: a chain of dependent round trips; on the H200 a level took about 5 us at the
-//         end of a step, while a tile streams in about 3 us: kMergeLevelTiles).
+// pairs, `head_tiles` tiles a KV head of `heads_kv`, the longest pair `longest` tiles:
+//   even  each head's tiles cut into equal chunks over its share of the workers (even_part); a
+//         pair cut by a chunk boundary is merged through global memory, kDecodeMergeFanIn parts a
+//         level (partial written, counted, read back: a chain of dependent round trips; on the
+//         H200 a level took about 5 us at the end of a step, while a tile streams in about 3 us:
+//         kMergeLevelTiles).
 //   team  block b takes pairs [b per_block, (b + 1) per_block), teams of warps / per_block
 //         consecutive warps per pair, each warp an equal share of its pair's tiles; a team's parts
 //         merge in the block's shared memory after one block barrier. A team of one streams its
@@ -234,13 +278,19 @@ CELLKV_HOST_DEVICE constexpr std::int32_t merge_levels(std::int64_t parts) noexc
 CELLKV_HOST_DEVICE constexpr std::int64_t even_split_cost(std::int64_t chunk, std::int32_t longest) noexcept {
   return chunk + static_cast<std::int64_t>(kMergeLevelTiles) * merge_levels((longest + chunk - 1) / chunk);
 }
+// The even split's chunk for `head_tiles` tiles a head of `heads_kv` over `workers` workers.
+CELLKV_HOST_DEVICE constexpr std::int64_t even_chunk(std::int64_t head_tiles, std::int64_t workers,
+                                                     std::int32_t heads_kv) noexcept {
+  return decode_chunk(head_tiles, decode_head_workers(workers, heads_kv));
+}
 CELLKV_HOST_DEVICE constexpr DecodeAssignment decode_assignment(std::int64_t pairs, std::int32_t blocks, std::int32_t warps,
-                                                               std::int32_t longest, std::int64_t total) noexcept {
+                                                               std::int32_t longest, std::int64_t head_tiles,
+                                                               std::int32_t heads_kv) noexcept {
   const std::int64_t workers = static_cast<std::int64_t>(blocks) * warps;
   if (pairs <= 0 || pairs > workers) return {};
   const auto per_block = static_cast<std::int32_t>((pairs + blocks - 1) / blocks);
   const std::int32_t team = warps / per_block;
-  const std::int64_t chunk = decode_chunk(total, static_cast<std::int32_t>(workers));
+  const std::int64_t chunk = even_chunk(head_tiles, workers, heads_kv);
   const std::int64_t even_cost = even_split_cost(chunk, longest);
   if (team >= 2 && (longest + team - 1) / team <= (even_cost > kTeamTiles ? even_cost : kTeamTiles))
     return {false, team, per_block};

@@ -265,6 +265,47 @@ TEST_CASE("table kernels: one long sequence is split over many warps and merged,
   require_device_ok();
 }
 
+// Writes `len` prompt tokens of sequence `seq`, 64 a step (unchecked: the steps after check).
+template <class Cache>
+void write_prompt(Cache& cache, ForwardHarness<Cache>& harness, std::int32_t seq, std::int32_t len, std::mt19937_64& rng,
+                  gpu::Stream& stream) {
+  for (std::int32_t n = len; n > 0; n -= 64) {
+    const std::int32_t chunk = std::min<std::int32_t>(n, 64);
+    REQUIRE(cache.declare_step(std::vector<std::int32_t>(static_cast<std::size_t>(chunk), seq)).ok());
+    REQUIRE(cache.upload(stream).ok());
+    harness.write_step(chunk, rng, stream);
+    REQUIRE(cache.commit(stream).ok());
+  }
+}
+
+// Decode steps of 40 sequences of 1-1,500 positions, 4 KV heads (160 pairs, 16-position tiles at
+// D 128; windows 0, 150 and 700): in the unwindowed layer the even split (decode_assignment: chunks of about 8 tiles a head over 264 workers a head
+// beat teams of 4 streaming up to 24), so chunks hold several short segments and cut the longer
+// pairs, every head's workers cut the same way (even_part), parts merged in global memory.
+template <class Cache>
+void even_split_steps() {
+  Cache cache = make_cache<Cache>({16, 4, 128, 64, 64000}, 40);
+  ForwardHarness<Cache> harness(cache, 16, 64);
+  gpu::Stream stream;
+  std::mt19937_64 rng(11);
+  std::vector<std::int32_t> seqs;
+  for (int i = 0; i < 40; ++i) {
+    seqs.push_back(cache.seq_new().value());
+    write_prompt(cache, harness, seqs.back(), 1 + static_cast<std::int32_t>(rng() % 1500), rng, stream);
+  }
+  for (int step = 0; step < 3; ++step) {
+    REQUIRE(cache.declare_step(seqs).ok());
+    checked_step(cache, harness, static_cast<std::int32_t>(seqs.size()), 64, rng, stream);
+  }
+  CHECK(cache.shard().work_counts(0).value().decode == 40);
+  require_device_ok();
+}
+
+TEST_CASE("table kernels: the even split over 40 sequences of mixed lengths, every KV head cut the same way") {
+  even_split_steps<ForkCells<__nv_bfloat16, test::after_last>>();  // cells scattered
+  even_split_steps<ForkCells<__nv_bfloat16, placement::clustered<64>>>();
+}
+
 // Decode steps of 12 sequences of `min_len` + [0, spread) positions: 24 (sequence, KV head) pairs,
 // fewer than the decode grid's blocks, so each pair runs as a team of the block's warps (8; 5 for
 // D 256), its parts merged in shared memory (decode_assignment); a step of 2-token segments too.
@@ -282,15 +323,9 @@ void team_steps(std::int32_t head_dim, std::int32_t min_len = 20, std::int32_t s
   std::mt19937_64 rng(static_cast<std::uint64_t>(head_dim));
   std::vector<std::int32_t> seqs;
   for (int i = 0; i < 12; ++i) {
-    const std::int32_t seq = cache.seq_new().value();
-    seqs.push_back(seq);
-    for (std::int32_t n = min_len + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(spread)); n > 0; n -= 64) {
-      const std::int32_t chunk = std::min<std::int32_t>(n, 64);
-      REQUIRE(cache.declare_step(std::vector<std::int32_t>(static_cast<std::size_t>(chunk), seq)).ok());
-      REQUIRE(cache.upload(stream).ok());
-      harness.write_step(chunk, rng, stream);
-      REQUIRE(cache.commit(stream).ok());
-    }
+    seqs.push_back(cache.seq_new().value());
+    write_prompt(cache, harness, seqs.back(), min_len + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(spread)),
+                 rng, stream);
   }
   for (int step = 0; step < 4; ++step) {
     REQUIRE(cache.declare_step(seqs).ok());

@@ -51,7 +51,7 @@ TEST_CASE("decode work: segments, tile prefix sums and the longest segment, agai
       own_begin.push_back(rng() % 4 == 0 ? pos0 / kPagePositions * kPagePositions : 0);
     }
     const auto w = segments.size();
-    std::vector<std::int32_t> counts(3, -1), decode_seg(w, -1), decode_prefix(w + 1, -1);
+    std::vector<std::int32_t> counts(4, -1), decode_seg(w, -1), decode_prefix(w + 1, -1);
     std::vector<PrefillItem> prefill(static_cast<std::size_t>(max_prefill_items(static_cast<std::int32_t>(40 * w), group)));
     plan_window(segments, own_begin.data(), window, {group, tile, kMinPrefillRows, decode_rows},
                 WindowWork{counts.data(), decode_seg.data(), decode_prefix.data(), prefill.data()});
@@ -68,6 +68,7 @@ TEST_CASE("decode work: segments, tile prefix sums and the longest segment, agai
     CHECK(counts[0] == decode);
     CHECK(decode_prefix[static_cast<std::size_t>(decode)] == tiles);
     CHECK(counts[2] == longest);
+    CHECK(counts[3] == tiles);
   }
 }
 
@@ -95,7 +96,7 @@ TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's ro
     const auto w = segments.size();
     // Exactly the capacity the step block has for `tokens` tokens: the plan must fit it.
     const std::int64_t capacity = max_prefill_items(tokens, group);
-    std::vector<std::int32_t> counts(3, -1), decode_seg(w, -1), decode_prefix(w + 1, -1);
+    std::vector<std::int32_t> counts(4, -1), decode_seg(w, -1), decode_prefix(w + 1, -1);
     std::vector<PrefillItem> prefill(static_cast<std::size_t>(capacity), PrefillItem{-1, -1});
     AttentionShape shape{group, 16};
     shape.prefill_rows = rows_per_item;
@@ -145,7 +146,7 @@ TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's ro
   }
   // By hand: 3 tokens of group 64 (192 rows): 64-row items at 128, 64, 0; 128-row items at 128, 0.
   const std::vector<Segment> one{{0, 0, 3, 10}};
-  std::int32_t counts[3] = {}, decode_seg[1] = {}, decode_prefix[2] = {};
+  std::int32_t counts[4] = {}, decode_seg[1] = {}, decode_prefix[2] = {};
   PrefillItem items[6] = {};
   plan_window(one, nullptr, 0, AttentionShape{64, 16, 128}, WindowWork{counts, decode_seg, decode_prefix, items});
   CHECK(counts[1] == 2);
@@ -188,7 +189,7 @@ TEST_CASE("prefill work: dealt to blocks in rounds, each item to exactly one blo
   // (the step order, a segment's last rows first, dealt round robin, gave 26% more).
   std::vector<Segment> segments;
   for (std::int32_t i = 0; i < 8; ++i) segments.push_back({i, 1024 * i, 1024, 0});
-  std::int32_t counts[3] = {}, decode_seg[8] = {}, decode_prefix[9] = {};
+  std::int32_t counts[4] = {}, decode_seg[8] = {}, decode_prefix[9] = {};
   std::vector<PrefillItem> plan(static_cast<std::size_t>(max_prefill_items(8192, 4)));
   plan_window(segments, nullptr, 0, AttentionShape{4, 16, 128}, WindowWork{counts, decode_seg, decode_prefix, plan.data()});
   REQUIRE(counts[1] == 256);
@@ -210,43 +211,43 @@ TEST_CASE("prefill work: dealt to blocks in rounds, each item to exactly one blo
 TEST_CASE("decode work: teams for few short pairs, whole pairs for about one per worker, else the even split") {
   // 132 blocks x 8 warps.
   // 16 sequences x 4 KV heads of 6 tiles: one pair per block, 8 warps each (one tile apiece).
-  const DecodeAssignment few = decode_assignment(64, 132, 8, 6, 64 * 6);
+  const DecodeAssignment few = decode_assignment(64, 132, 8, 6, 16 * 6, 4);
   CHECK((!few.even && few.team == 8 && few.per_block == 1));
   // 64 x 4 pairs of up to 7 tiles: two pairs per block, teams of 4 (two tiles apiece).
-  const DecodeAssignment more = decode_assignment(256, 132, 8, 7, 256 * 6);
+  const DecodeAssignment more = decode_assignment(256, 132, 8, 7, 64 * 6, 4);
   CHECK((!more.even && more.team == 4 && more.per_block == 2));
   // 400 pairs: four per block, teams of 2, up to kTeamTiles tiles a warp.
-  CHECK(decode_assignment(400, 132, 8, 4, 400 * 4).team == 2);
+  CHECK(decode_assignment(400, 132, 8, 4, 100 * 4, 4).team == 2);
   // Longest 5: teams of 2 stream 3 tiles a warp; the even split 2 (chunk), then one level of merges
   // in global memory for the 3 parts of a pair (kMergeLevelTiles): the teams.
-  const DecodeAssignment five = decode_assignment(400, 132, 8, 5, 400 * 4);
+  const DecodeAssignment five = decode_assignment(400, 132, 8, 5, 100 * 4, 4);
   CHECK((!five.even && five.team == 2 && five.per_block == 4));
   // 400 pairs, longest 9: teams of 2 would stream 5 tiles a warp, the even split 2, then one level
   // of merges (the 5 parts of the longest pair): 4.
-  CHECK(decode_assignment(400, 132, 8, 9, 400 * 4).even);
+  CHECK(decode_assignment(400, 132, 8, 9, 100 * 4, 4).even);
   // 256 x 4 pairs of 6 tiles: eight pairs per block, one warp each, whole (chunk 6).
-  const DecodeAssignment many = decode_assignment(1024, 132, 8, 7, 1024 * 6);
+  const DecodeAssignment many = decode_assignment(1024, 132, 8, 7, 256 * 6, 4);
   CHECK((!many.even && many.team == 1 && many.per_block == 8));
-  CHECK(decode_assignment(1024, 132, 8, 13, 1024 * 6).even);  // longest past twice the chunk
+  CHECK(decode_assignment(1024, 132, 8, 13, 256 * 6, 4).even);  // longest past twice the chunk
   // Long pairs (one 32k-position sequence, 8 KV heads): the even split.
-  CHECK(decode_assignment(8, 132, 8, 2048, 8 * 2048).even);
+  CHECK(decode_assignment(8, 132, 8, 2048, 2048, 8).even);
   // 12 warps a block (the fp8 decode kernel at D 128): teams need not be powers of two.
   // 16 sequences x 8 KV heads of 129 tiles (4,096 positions of 32): one pair per block, a team of
   // all 12 warps streams 11 tiles a warp, as many as the even split's chunk (11, whose 12 parts a
   // pair then merge in two levels).
-  const DecodeAssignment long_pairs = decode_assignment(128, 132, 12, 129, 128 * 129);
+  const DecodeAssignment long_pairs = decode_assignment(128, 132, 12, 129, 16 * 129, 8);
   CHECK((!long_pairs.even && long_pairs.team == 12 && long_pairs.per_block == 1));
   // 64 x 8 pairs of 65 tiles: four pairs per block, teams of 3 (22 tiles a warp; even: 22 + merges).
-  const DecodeAssignment four = decode_assignment(512, 132, 12, 65, 512 * 65);
+  const DecodeAssignment four = decode_assignment(512, 132, 12, 65, 64 * 65, 8);
   CHECK((!four.even && four.team == 3 && four.per_block == 4));
   // One sequence of 8 KV heads of 65 tiles: teams of 12 stream 6 tiles a warp; the even split
   // streams one, then merges the 65 parts of a pair in three levels (1 + 3 x 2 tiles).
-  CHECK(!decode_assignment(8, 132, 12, 65, 8 * 65).even);
+  CHECK(!decode_assignment(8, 132, 12, 65, 65, 8).even);
   // ... of 257 tiles: 22 a warp in teams against 2 + 3 x 2: the even split.
-  CHECK(decode_assignment(8, 132, 12, 257, 8 * 257).even);
+  CHECK(decode_assignment(8, 132, 12, 257, 257, 8).even);
   // More pairs than workers, or none.
-  CHECK(decode_assignment(1057, 132, 8, 1, 1057).even);
-  CHECK(decode_assignment(0, 132, 8, 0, 0).even);
+  CHECK(decode_assignment(1057, 132, 8, 1, 1057, 1).even);
+  CHECK(decode_assignment(0, 132, 8, 0, 0, 8).even);
 }
 
 TEST_CASE("decode work: every pair has a team in its block, and the teams fit it") {
@@ -254,20 +255,73 @@ TEST_CASE("decode work: every pair has a team in its block, and the teams fit it
   for (int trial = 0; trial < 2000; ++trial) {
     CAPTURE(trial);
     const std::int32_t blocks = 1 + static_cast<std::int32_t>(rng() % 140), warps = 1 + static_cast<std::int32_t>(rng() % 16);
-    const std::int64_t pairs = 1 + static_cast<std::int64_t>(rng() % (static_cast<std::uint64_t>(blocks) * warps + 8));
+    const std::int32_t heads_kv = 1 + static_cast<std::int32_t>(rng() % 8);
+    const std::int64_t segments = 1 + static_cast<std::int64_t>(rng() % ((static_cast<std::uint64_t>(blocks) * warps + 8) / heads_kv + 1));
+    const std::int64_t pairs = segments * heads_kv;
     const std::int32_t longest = 1 + static_cast<std::int32_t>(rng() % 40);
-    const std::int64_t total = pairs * (1 + longest) / 2;
-    const DecodeAssignment as = decode_assignment(pairs, blocks, warps, longest, total);
+    const auto head_tiles = static_cast<std::int32_t>(segments * (1 + longest) / 2);
+    const DecodeAssignment as = decode_assignment(pairs, blocks, warps, longest, head_tiles, heads_kv);
     if (as.even) continue;
     CHECK(as.team * as.per_block <= warps);                               // the teams fit a block
     CHECK((as.team + 1) * as.per_block > warps);                          // as large as fit
     CHECK(static_cast<std::int64_t>(as.per_block) * blocks >= pairs);     // every pair has a block
     // A team's warp streams no more than a worker of the even split would, merges included (in
     // tiles: chunk + 2 a merge level of 8 parts, brute-forced here), or kTeamTiles.
-    const std::int64_t chunk = decode_chunk(total, blocks * warps);
+    const std::int64_t per_head = std::max<std::int64_t>(1, static_cast<std::int64_t>(blocks) * warps / heads_kv);
+    const std::int64_t chunk = std::max<std::int64_t>(1, (head_tiles + per_head - 1) / per_head);
     std::int64_t parts = (longest + chunk - 1) / chunk, levels = 0;
     while (parts > 1) parts = (parts + 7) / 8, ++levels;
     if (as.team > 1) CHECK((longest + as.team - 1) / as.team <= std::max<std::int64_t>(kTeamTiles, chunk + 2 * levels));
+  }
+}
+
+TEST_CASE("decode work: the even split covers every (segment, head, tile) once, all heads in step, one slot a part") {
+  std::mt19937 rng(9);
+  for (int trial = 0; trial < 400; ++trial) {
+    CAPTURE(trial);
+    const std::int32_t heads_kv = 1 + static_cast<std::int32_t>(rng() % 16);
+    const std::int64_t workers = 1 + static_cast<std::int64_t>(rng() % 200);
+    if (workers < heads_kv) continue;  // grids have a worker a head at least (decode_min_blocks)
+    const std::int32_t segments = 1 + static_cast<std::int32_t>(rng() % 20);
+    std::vector<std::int32_t> prefix{0};  // tiles of the segments before each
+    for (std::int32_t d = 0; d < segments; ++d) prefix.push_back(prefix.back() + 1 + static_cast<std::int32_t>(rng() % 50));
+    const std::int32_t head_tiles = prefix.back();
+    // covered[h][x]: how many workers take tile x of head h (flat h * stride + x).
+    std::vector<std::vector<int>> covered(static_cast<std::size_t>(heads_kv), std::vector<int>(static_cast<std::size_t>(head_tiles)));
+    std::vector<std::int64_t> first_tile(static_cast<std::size_t>(workers), -1);  // head tile a worker starts at
+    std::set<std::int32_t> slots;
+    for (std::int64_t w = 0; w < workers; ++w) {
+      const EvenPart part = even_part(w, workers, heads_kv, head_tiles);
+      if (part.begin >= part.end) continue;
+      const std::int64_t h = part.begin / part.stride;
+      CHECK(h == w % heads_kv);                        // worker i: head i % H_kv
+      CHECK((part.end - 1) / part.stride == h);        // no chunk crosses a head
+      CHECK(part.begin % part.chunk == 0);             // a part starts on its chunk
+      first_tile[static_cast<std::size_t>(w)] = part.begin - h * part.stride;
+      for (std::int64_t g = part.begin; g < part.end; ++g) {
+        const std::int64_t x = g - h * part.stride;
+        REQUIRE(x < head_tiles);
+        ++covered[static_cast<std::size_t>(h)][static_cast<std::size_t>(x)];
+      }
+      // Each pair this part touches: the part is among parts_of(pair), and its slot is its own.
+      const auto part_index = static_cast<std::int32_t>(part.begin / part.chunk);
+      for (std::int32_t d = 0; d < segments; ++d) {
+        const std::int64_t lo = h * part.stride + prefix[static_cast<std::size_t>(d)];
+        const std::int64_t hi = h * part.stride + prefix[static_cast<std::size_t>(d) + 1];
+        if (hi <= part.begin || lo >= part.end) continue;
+        const PartRange parts = parts_of(lo, hi, part.chunk);
+        CHECK(part_index >= parts.first);
+        CHECK(part_index <= parts.last);
+        if (parts.count() > 1) CHECK(slots.insert(part_slot(part_index, lo, part.chunk)).second);
+      }
+      CHECK(2 * part_index + 1 < 2 * workers);  // the slots there are
+    }
+    for (const auto& head : covered) CHECK(std::all_of(head.begin(), head.end(), [](int c) { return c == 1; }));
+    // In step: the workers of one chunk index start at the same tile of their heads.
+    for (std::int64_t w = heads_kv; w < workers; ++w)
+      if (first_tile[static_cast<std::size_t>(w)] >= 0 && first_tile[static_cast<std::size_t>(w % heads_kv)] >= 0 &&
+          first_tile[static_cast<std::size_t>(w - w % heads_kv)] >= 0)
+        CHECK(first_tile[static_cast<std::size_t>(w)] == first_tile[static_cast<std::size_t>(w - w % heads_kv)]);
   }
 }
 

@@ -39,7 +39,7 @@ Expected expected(bool cell, std::int32_t windows, std::int32_t seqs, const Cach
                            (static_cast<std::uint64_t>(s.head_dim) * element_bytes + parts.scale_bytes);
   // Step block: cells int64[w], read_len int64, tokens int32, num_segments int32, token_seq and
   // token_pos int32[w]; segments (4 int32 each) from a 16-byte boundary; per window, 16-byte
-  // aligned: counts int32[3], decode_seg int32[w], decode_prefix int32[w + 1], then from a 16-byte
+  // aligned: counts int32[4], decode_seg int32[w], decode_prefix int32[w + 1], then from a 16-byte
   // boundary the prefill items (2 int32 each); row ranges (2 int32) per window and token for the
   // sequence layout; from a 16-byte boundary, table writes (2 int32) for the cell layout.
   const std::uint64_t group = s.heads_q > 0 ? std::max<std::uint64_t>(1, static_cast<std::uint64_t>(s.heads_q / s.heads_kv)) : 1;
@@ -47,7 +47,7 @@ Expected expected(bool cell, std::int32_t windows, std::int32_t seqs, const Cach
   // kernel) or 64 (the mma.sync kernel); the block holds enough for 64: sum(len x group / 64 + 1).
   const std::uint64_t prefill = w * group / 64 + w;
   const std::uint64_t segments_end = align16(8 * w + 8 + 4 + 4 + 4 * w + 4 * w) + 16 * w;
-  const std::uint64_t work_each = align16(align16(4 * (3 + w + w + 1)) + 8 * prefill);
+  const std::uint64_t work_each = align16(align16(4 * (4 + w + w + 1)) + 8 * prefill);
   const std::uint64_t ranges_end = align16(segments_end) + work_each * static_cast<std::uint64_t>(windows) +
                                    (cell ? 0 : 8 * w * static_cast<std::uint64_t>(windows));
   // Shared prefixes (cell layout, when built), from a 16-byte boundary: 4 int32 counts, own_begin
@@ -95,7 +95,7 @@ constexpr PoolShape kShape{.layers = 3, .heads_kv = 2, .head_dim = 64, .heads_q 
 TEST_CASE("footprint: one cell-layout configuration worked out by hand") {
   // max_write 7, 2 distinct windows, group 4: prefill items 7 * 4 / 64 + 7 = 7.
   // Step block: 16 * 7 + 16 = 128 bytes of token data, segments to 240, each window's work
-  // 68 bytes of counts and decode lists padded to 80, then 56 of prefill items, padded to 144, to
+  // 76 bytes of counts and decode lists padded to 80, then 56 of prefill items, padded to 144, to
   // 528, then 4096 table writes of 8 bytes: 33296.
   // KV: 2 x 3 layers x 101 rows x 2 heads x 64 x 2 bytes = 155136. Table: 8 x 2 directory
   // entries + (2 + 16) pages x 64 = 1168 ints = 4672 bytes. Masks: 2 x 7 x 100 = 1400.

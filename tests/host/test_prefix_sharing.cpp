@@ -83,7 +83,7 @@ std::vector<int> check_finished(const StepPlan& step, const SharingShape& shape,
       if (w.finished[i].token >= seg.tok0 && w.finished[i].token < seg.tok0 + seg.len) CHECK(w.finished[i].own_begin == w.own_begin[si]);
   }
   // The decode work of any window: the decode segments that are not finished, in order.
-  std::vector<std::int32_t> counts(3), decode_seg(step.segments.size() + 1), prefix(step.segments.size() + 2);
+  std::vector<std::int32_t> counts(4), decode_seg(step.segments.size() + 1), prefix(step.segments.size() + 2);
   std::vector<PrefillItem> prefill(static_cast<std::size_t>(max_prefill_items(static_cast<std::int32_t>(step.segments.size()) * 16, shape.group)));
   plan_window(step.segments, w.own_begin, 0, AttentionShape{shape.group, 16, kMinPrefillRows, shape.decode_rows}, WindowWork{counts.data(), decode_seg.data(), prefix.data(), prefill.data()},
               finished_segments);

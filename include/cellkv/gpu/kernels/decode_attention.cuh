@@ -3,12 +3,13 @@
 // Work: the decode segments of one window buffer (attention_plan.hpp). A pair is (decode segment,
 // KV head): its <= kDecodeRows query rows (token x GQA head of the group, packed as MMA rows) see
 // the positions [visible_begin(W, first token), last token] of their sequence, which are
-// tiles(seg) KV tiles of kPositions positions. The tiles of every pair, in (segment, head, tile)
-// order, are cut into equal chunks, one per worker (a warp): every worker streams the same number
-// of tiles whatever the lengths and wherever the cells are. Steps of no more pairs than workers run
-// as teams instead where that costs no more (decode_assignment): the warps of a block share out its
-// pairs, a pair's tiles split among its team, whose parts merge in shared memory after one block
-// barrier (a team of one: the pair whole, no merge).
+// tiles(seg) KV tiles of kPositions positions. Each KV head's tiles, in (segment, tile) order, are
+// cut into equal chunks, one per worker (a warp) of the head's share (even_part, attention_plan.hpp:
+// the same cut for every head, so the heads read the same cells at once): every worker streams the
+// same number of tiles whatever the lengths and wherever the cells are. Steps of no more pairs
+// than workers run as teams instead where that costs no more (decode_assignment): the warps of a
+// block share out its pairs, a pair's tiles split among its team, whose parts merge in shared
+// memory after one block barrier (a team of one: the pair whole, no merge).
 //
 // A warp streams its chunk through its own ring of `Stages` shared-memory stages (16-byte cp.async
 // copies of the rows the table names, gathered row by row; a hole's row is zero-filled and its
@@ -104,7 +105,7 @@ struct DecodeArgs : LayerArgs<T, Rows, S> {
   std::int32_t slots = 0;                // 2 x workers
 };
 
-// Where a worker is in the flattened (segment, head, tile) sequence.
+// Where a worker is in the flat tiles (attention_plan.hpp: tile x of head h at h * stride + x).
 struct PairCursor {
   std::int64_t g = 0;      // flat tile index
   std::int64_t begin = 0;  // flat index of the pair's first tile
@@ -127,36 +128,35 @@ struct PairCursor {
   __device__ PositionRange seen(int window) const {
     return own_positions(window, seg.pos0, seg.pos0 + seg.len - 1, own_begin);
   }
-  // Positions the cursor at flat tile `flat`: a 32-way search by the whole warp (a few dependent
-  // reads, not log2(segments)).
+  // Positions the cursor at flat tile `flat` (heads `stride` flat tiles apart) of decode segment
+  // `seg` (-1: found by a 32-way search by the whole warp, a few dependent reads, not
+  // log2(segments)).
   template <class A>
-  __device__ void seek(const A& a, std::int64_t flat, int heads_kv, int positions, int lane) {
-    int lo = 0, hi = a.work.decode_count() - 1;  // the last segment whose first tile is <= flat
+  __device__ void seek(const A& a, std::int64_t flat, std::int64_t stride, int seg, int positions, int lane) {
+    h = static_cast<int>(flat / stride);
+    const auto x = static_cast<std::int32_t>(flat - h * stride);  // the head's tile
+    int lo = seg < 0 ? 0 : seg, hi = seg < 0 ? a.work.decode_count() - 1 : seg;  // the last segment whose first tile is <= x
     while (lo < hi) {
       const int step = (hi - lo + 32) / 32;
       const int at = lo + lane * step;
-      const bool before = at <= hi && static_cast<std::int64_t>(a.work.decode_prefix[at]) * heads_kv <= flat;
+      const bool before = at <= hi && a.work.decode_prefix[at] <= x;
       const int last = 31 - __clz(__ballot_sync(0xffffffffu, before));  // lane 0 (at = lo) always qualifies
       lo += last * step;
       hi = min(hi, lo + step - 1);
     }
     d = lo;
     load_segment(a, positions);
-    const std::int64_t off = flat - static_cast<std::int64_t>(a.work.decode_prefix[d]) * heads_kv;
-    h = static_cast<int>(off / tiles);
-    t = static_cast<int>(off % tiles);
+    t = x - a.work.decode_prefix[d];
     g = flat;
     begin = flat - t;
   }
-  // Next tile; precondition: g + 1 < total.
+  // Next tile; precondition: g + 1 is a tile of the same head (a worker's tiles are).
   template <class A>
-  __device__ void next(const A& a, int heads_kv, int positions) {
+  __device__ void next(const A& a, int positions) {
     ++g;
     if (++t < tiles) return;
     t = 0;
     begin = g;
-    if (++h < heads_kv) return;
-    h = 0;
     ++d;
     load_segment(a, positions);
   }
@@ -174,23 +174,25 @@ struct PairRows {
 // The flat tiles [g0, g1) warp `warp` of block `block` computes (decode_assignment,
 // attention_plan.hpp; g0 >= g1: nothing): its chunk of the even split, or its share of its team's
 // pair. `mode` says which, in the one value the decode loop keeps (every register counts there):
-// > 0 the even split's chunk; 0 a team of one (the pair whole); < 0 a team of -mode warps (warp w
-// member w % -mode).
+// > 0 the even split's chunk (this warp part g0 / mode of it); 0 a team of one (the pair whole);
+// < 0 a team of -mode warps (warp w member w % -mode). stride: flat tiles between heads; seg: the
+// team's decode segment (-1: not known, the even split).
 struct WorkerTiles {
-  std::int64_t g0 = 0, g1 = 0, mode = 1;
+  std::int64_t g0 = 0, g1 = 0, mode = 1, stride = 1;
+  int seg = -1;
 };
 
-__device__ inline WorkerTiles worker_tiles(const WindowWork& work, int n, int heads_kv, int longest, int block, int warp,
-                                           int blocks, int warps) {
+// head_tiles: the work's decode_head_tiles().
+__device__ inline WorkerTiles worker_tiles(const WindowWork& work, int n, int heads_kv, int longest, int head_tiles,
+                                           int block, int warp, int blocks, int warps) {
   const std::int64_t pairs = static_cast<std::int64_t>(n) * heads_kv;
-  const std::int64_t total = static_cast<std::int64_t>(work.decode_prefix[n]) * heads_kv;
-  const DecodeAssignment as = decode_assignment(pairs, blocks, warps, longest, total);
+  const std::int64_t workers = static_cast<std::int64_t>(blocks) * warps;
+  const DecodeAssignment as = decode_assignment(pairs, blocks, warps, longest, head_tiles, heads_kv);
   WorkerTiles w;
+  w.stride = head_tiles > 0 ? head_tiles : 1;
   if (as.even) {
-    w.mode = decode_chunk(total, blocks * warps);
-    w.g0 = static_cast<std::int64_t>(block * warps + warp) * w.mode;
-    w.g1 = w.g0 + w.mode < total ? w.g0 + w.mode : total;
-    return w;
+    const EvenPart part = even_part(static_cast<std::int64_t>(block) * warps + warp, workers, heads_kv, head_tiles);
+    return {part.begin, part.end, part.chunk, part.stride, -1};
   }
   w.mode = as.team == 1 ? 0 : -as.team;
   const int slot = warp / as.team, member = warp % as.team;
@@ -199,9 +201,10 @@ __device__ inline WorkerTiles worker_tiles(const WindowWork& work, int n, int he
   const int d = static_cast<int>(pair / heads_kv), h = static_cast<int>(pair % heads_kv);
   const std::int32_t first = work.decode_prefix[d], tiles = work.decode_prefix[d + 1] - first;
   const std::int32_t share = team_share(tiles, as.team);
-  const std::int64_t base = static_cast<std::int64_t>(first) * heads_kv + static_cast<std::int64_t>(h) * tiles;
+  const std::int64_t base = static_cast<std::int64_t>(h) * head_tiles + first;
   w.g0 = base + min(tiles, member * share);
   w.g1 = base + min(tiles, (member + 1) * share);
+  w.seg = d;
   return w;
 }
 
@@ -253,8 +256,8 @@ struct RowFetch {
   }
   // Moves `at` one tile on (or past the chunk's end).
   template <class A>
-  __device__ __forceinline__ void step_cursor(const A& a, std::int64_t g1, int heads_kv) {
-    if (at.g + 1 < g1) at.next(a, heads_kv, G::kPositions);
+  __device__ __forceinline__ void step_cursor(const A& a, std::int64_t g1) {
+    if (at.g + 1 < g1) at.next(a, G::kPositions);
     else at.g = g1;
   }
   template <class A>
@@ -263,14 +266,14 @@ struct RowFetch {
   }
   // Starts at cursor c (the worker's first tile): pages of three tiles, ids of two, in parallel.
   template <class A>
-  __device__ void start(const A& a, const PairCursor& c, std::int64_t g1, int heads_kv, int lane) {
+  __device__ void start(const A& a, const PairCursor& c, std::int64_t g1, int lane) {
     at = c;
     typename Rows::Tile pages[2];
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       fill_ref(a, g1, next[k]);
       pages[k] = page_of(a, next[k]);
-      step_cursor(a, g1, heads_kv);
+      step_cursor(a, g1);
     }
     fill_ref(a, g1, next[2]);
     page2 = page_of(a, next[2]);
@@ -279,13 +282,13 @@ struct RowFetch {
   }
   // After issuing next[0]: everything moves up one tile.
   template <class A>
-  __device__ __forceinline__ void advance(const A& a, std::int64_t g1, int heads_kv, int lane) {
+  __device__ __forceinline__ void advance(const A& a, std::int64_t g1, int lane) {
     next[0] = next[1];
 #pragma unroll
     for (int j = 0; j < G::kIds; ++j) ids[0][j] = ids[1][j];
     next[1] = next[2];
     load_ids(a.rows, next[1], page2, lane, ids[1]);
-    step_cursor(a, g1, heads_kv);
+    step_cursor(a, g1);
     fill_ref(a, g1, next[2]);
     page2 = page_of(a, next[2]);
   }
@@ -844,7 +847,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   allow_dependent_grids();
   // Up to wait_for_prior_grids (a dependent launch), only the step's plan is read: the work, the
   // segments and the position tables, which no kernel of the forward changes.
-  const int n = a.work.decode_count(), longest = a.work.longest_decode_pair();
+  const int n = a.work.decode_count(), longest = a.work.longest_decode_pair(), head_tiles = a.work.decode_head_tiles();
   const std::int32_t tokens = *a.tokens;
   auto begin_writes = [&] {  // once per thread, before it reads q or the pool or writes out
     wait_for_prior_grids();
@@ -854,10 +857,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   if (n == 0) return begin_writes();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int heads_kv = a.pool.heads_kv, group = a.heads_q / heads_kv;
-  const int worker = blockIdx.x * Warps + warp;
-  const WorkerTiles mine = worker_tiles(a.work, n, heads_kv, longest, static_cast<int>(blockIdx.x), warp,
+  const WorkerTiles mine = worker_tiles(a.work, n, heads_kv, longest, head_tiles, static_cast<int>(blockIdx.x), warp,
                                         static_cast<int>(gridDim.x), Warps);
   const std::int64_t g0 = mine.g0, g1 = mine.g1, mode = mine.mode;
+  const int worker = mode > 0 ? static_cast<int>(g0 / mode) : 0;  // the even split's part (merge slots)
   // Teams (mode < 0) store their parts for the block's epilogue (write_block_outputs); a team of one
   // (mode 0) writes its pair from registers right away, with no block barrier (measured: through
   // the epilogue, the step of 128 forks, 1,024 one-token pairs 8 a block, took 18% longer). mode < 0
@@ -872,9 +875,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
      // nothing of the pool and computes nothing (a branch here would cost the loop registers)
     const StageRing<D, Stages, kBytes, Columns> ring{smem_addr(smem) + warp * kWarpBytes};
     const std::uint32_t q_tile = ring.query();  // D = 256 only
-    cc.seek(a, g0, heads_kv, G::kPositions, lane);
+    cc.seek(a, g0, mine.stride, mine.seg, G::kPositions, lane);
     RowFetch<D, Rows, kBytes> fetch;
-    fetch.start(a, cc, g1, heads_kv, lane);
+    fetch.start(a, cc, g1, lane);
     begin_writes();
     // Issues the next tile into stage s (or an empty group past the chunk's end); returns the tile's
     // absent columns (holes, positions no row reads).
@@ -889,7 +892,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
       const std::uint64_t absent =
           absent_columns(fetch.ids[0][0], G::kIds > 1 ? fetch.ids[0][G::kIds - 1] : -1) & kColumns;
       ring.issue(s, a.pool, fetch.next[0].h(), fetch.ids[0], lane);
-      fetch.advance(a, g1, heads_kv, lane);
+      fetch.advance(a, g1, lane);
       return absent;
     };
     AbsentMasks<Stages> absent;
@@ -991,7 +994,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
         st = State{};  // the next pair's (here, not at its first tile: no per-tile selects)
         vref = ValueRef{};
       }
-      if (g + 1 < g1) cc.next(a, heads_kv, G::kPositions);
+      if (g + 1 < g1) cc.next(a, G::kPositions);
       cur = cur + 1 == Stages ? 0 : cur + 1;
     }
     cp_async_wait<0>();
