@@ -11,9 +11,9 @@
 //            decode_rows: kDecodeRows, or kDecodeColumnRows for the fp8 kernel that puts positions
 //            on the MMA's M side; longer segments are prefilled), in step order, with the prefix
 //            sums of their tile counts. The decode kernel splits each KV head's sequence of
-//            (segment, tile) evenly over that head's share of its workers (even_part), every head
-//            the same way, so any mix of lengths keeps every worker equally busy and all heads
-//            read the same cells at once; a (segment, head) cut by a chunk boundary is finished by
+//            (segment, tile) evenly over that head's share of its workers (even_split_part),
+//            every head the same way, so any mix of lengths keeps every worker equally busy and
+//            all heads read the same cells at once; a (segment, head) cut by a chunk boundary is finished by
 //            merging the parts' partial softmax (part_slot, parts_of).
 //            Steps of no more pairs than workers run as teams instead where that costs no more
 //            (decode_assignment): the warps of a block share out its pairs, each pair's tiles
@@ -228,8 +228,8 @@ struct EvenPart {
   std::int64_t begin = 0, end = 0;
   std::int64_t chunk = 1, stride = 1;
 };
-CELLKV_HOST_DEVICE constexpr EvenPart even_part(std::int64_t worker, std::int64_t workers, std::int32_t heads_kv,
-                                                std::int32_t head_tiles) noexcept {
+CELLKV_HOST_DEVICE constexpr EvenPart even_split_part(std::int64_t worker, std::int64_t workers,
+                                                      std::int32_t heads_kv, std::int32_t head_tiles) noexcept {
   const std::int32_t per_head = decode_head_workers(workers, heads_kv);
   EvenPart p;
   p.chunk = decode_chunk(head_tiles, per_head);
@@ -245,8 +245,8 @@ CELLKV_HOST_DEVICE constexpr EvenPart even_part(std::int64_t worker, std::int64_
 
 // How the decode kernel's `blocks` x `warps` workers share a step's `pairs` (segment, KV head)
 // pairs, `head_tiles` tiles a KV head of `heads_kv`, the longest pair `longest` tiles:
-//   even  each head's tiles cut into equal chunks over its share of the workers (even_part); a
-//         pair cut by a chunk boundary is merged through global memory, kDecodeMergeFanIn parts a
+//   even  each head's tiles cut into equal chunks over its share of the workers
+//         (even_split_part); a pair cut by a chunk boundary is merged through global memory, kDecodeMergeFanIn parts a
 //         level (partial written, counted, read back: a chain of dependent round trips; on the
 //         H200 a level took about 5 us at the end of a step, while a tile streams in about 3 us:
 //         kMergeLevelTiles).

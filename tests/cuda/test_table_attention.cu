@@ -281,7 +281,7 @@ void write_prompt(Cache& cache, ForwardHarness<Cache>& harness, std::int32_t seq
 // Decode steps of 40 sequences of 1-1,500 positions, 4 KV heads (160 pairs, 16-position tiles at
 // D 128; windows 0, 150 and 700): in the unwindowed layer the even split (decode_assignment: chunks of about 8 tiles a head over 264 workers a head
 // beat teams of 4 streaming up to 24), so chunks hold several short segments and cut the longer
-// pairs, every head's workers cut the same way (even_part), parts merged in global memory.
+// pairs, every head's workers cut the same way (even_split_part), parts merged in global memory.
 template <class Cache>
 void even_split_steps() {
   Cache cache = make_cache<Cache>({16, 4, 128, 64, 64000}, 40);

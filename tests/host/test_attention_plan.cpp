@@ -291,7 +291,7 @@ TEST_CASE("decode work: the even split covers every (segment, head, tile) once, 
     std::vector<std::int64_t> first_tile(static_cast<std::size_t>(workers), -1);  // head tile a worker starts at
     std::set<std::int32_t> slots;
     for (std::int64_t w = 0; w < workers; ++w) {
-      const EvenPart part = even_part(w, workers, heads_kv, head_tiles);
+      const EvenPart part = even_split_part(w, workers, heads_kv, head_tiles);
       if (part.begin >= part.end) continue;
       const std::int64_t h = part.begin / part.stride;
       CHECK(h == w % heads_kv);                        // worker i: head i % H_kv

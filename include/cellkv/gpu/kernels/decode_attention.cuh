@@ -4,12 +4,12 @@
 // KV head): its <= kDecodeRows query rows (token x GQA head of the group, packed as MMA rows) see
 // the positions [visible_begin(W, first token), last token] of their sequence, which are
 // tiles(seg) KV tiles of kPositions positions. Each KV head's tiles, in (segment, tile) order, are
-// cut into equal chunks, one per worker (a warp) of the head's share (even_part, attention_plan.hpp:
-// the same cut for every head, so the heads read the same cells at once): every worker streams the
-// same number of tiles whatever the lengths and wherever the cells are. Steps of no more pairs
-// than workers run as teams instead where that costs no more (decode_assignment): the warps of a
-// block share out its pairs, a pair's tiles split among its team, whose parts merge in shared
-// memory after one block barrier (a team of one: the pair whole, no merge).
+// cut into equal chunks, one per worker (a warp) of the head's share (even_split_part,
+// attention_plan.hpp: the same cut for every head, so the heads read the same cells at once): every
+// worker streams the same number of tiles whatever the lengths and wherever the cells are. Steps
+// of no more pairs than workers run as teams instead where that costs no more (decode_assignment):
+// the warps of a block share out its pairs, a pair's tiles split among its team, whose parts merge
+// in shared memory after one block barrier (a team of one: the pair whole, no merge).
 //
 // A warp streams its chunk through its own ring of `Stages` shared-memory stages (16-byte cp.async
 // copies of the rows the table names, gathered row by row; a hole's row is zero-filled and its
@@ -191,7 +191,8 @@ __device__ inline WorkerTiles worker_tiles(const WindowWork& work, int n, int he
   WorkerTiles w;
   w.stride = head_tiles > 0 ? head_tiles : 1;
   if (as.even) {
-    const EvenPart part = even_part(static_cast<std::int64_t>(block) * warps + warp, workers, heads_kv, head_tiles);
+    const std::int64_t worker = static_cast<std::int64_t>(block) * warps + warp;
+    const EvenPart part = even_split_part(worker, workers, heads_kv, head_tiles);
     return {part.begin, part.end, part.chunk, part.stride, -1};
   }
   w.mode = as.team == 1 ? 0 : -as.team;
