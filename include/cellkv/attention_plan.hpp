@@ -13,8 +13,8 @@
 //            sums of their tile counts. The decode kernel splits each KV head's sequence of
 //            (segment, tile) evenly over that head's share of its workers (even_split_part),
 //            every head the same way, so any mix of lengths keeps every worker equally busy and
-//            all heads read the same cells at once; a (segment, head) cut by a chunk boundary is finished by
-//            merging the parts' partial softmax (part_slot, parts_of).
+//            all heads read the same cells at once; a (segment, head) cut by a chunk boundary is
+//            finished by merging the parts' partial softmax (part_slot, parts_of).
 //            Steps of no more pairs than workers run as teams instead where that costs no more
 //            (decode_assignment): the warps of a block share out its pairs, each pair's tiles
 //            split among a team merged in shared memory (a team of one: the pair whole).
@@ -246,10 +246,10 @@ CELLKV_HOST_DEVICE constexpr EvenPart even_split_part(std::int64_t worker, std::
 // How the decode kernel's `blocks` x `warps` workers share a step's `pairs` (segment, KV head)
 // pairs, `head_tiles` tiles a KV head of `heads_kv`, the longest pair `longest` tiles:
 //   even  each head's tiles cut into equal chunks over its share of the workers
-//         (even_split_part); a pair cut by a chunk boundary is merged through global memory, kDecodeMergeFanIn parts a
-//         level (partial written, counted, read back: a chain of dependent round trips; on the
-//         H200 a level took about 5 us at the end of a step, while a tile streams in about 3 us:
-//         kMergeLevelTiles).
+//         (even_split_part); a pair cut by a chunk boundary is merged through global memory,
+//         kDecodeMergeFanIn parts a level (partial written, counted, read back: a chain of
+//         dependent round trips; on the H200 a level took about 5 us at the end of a step, while a
+//         tile streams in about 3 us: kMergeLevelTiles).
 //   team  block b takes pairs [b per_block, (b + 1) per_block), teams of warps / per_block
 //         consecutive warps per pair, each warp an equal share of its pair's tiles; a team's parts
 //         merge in the block's shared memory after one block barrier. A team of one streams its

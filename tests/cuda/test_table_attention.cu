@@ -267,8 +267,8 @@ TEST_CASE("table kernels: one long sequence is split over many warps and merged,
 
 // Writes `len` prompt tokens of sequence `seq`, 64 a step (unchecked: the steps after check).
 template <class Cache>
-void write_prompt(Cache& cache, ForwardHarness<Cache>& harness, std::int32_t seq, std::int32_t len, std::mt19937_64& rng,
-                  gpu::Stream& stream) {
+void write_prompt(Cache& cache, ForwardHarness<Cache>& harness, std::int32_t seq, std::int32_t len,
+                  std::mt19937_64& rng, gpu::Stream& stream) {
   for (std::int32_t n = len; n > 0; n -= 64) {
     const std::int32_t chunk = std::min<std::int32_t>(n, 64);
     REQUIRE(cache.declare_step(std::vector<std::int32_t>(static_cast<std::size_t>(chunk), seq)).ok());
@@ -279,9 +279,10 @@ void write_prompt(Cache& cache, ForwardHarness<Cache>& harness, std::int32_t seq
 }
 
 // Decode steps of 40 sequences of 1-1,500 positions, 4 KV heads (160 pairs, 16-position tiles at
-// D 128; windows 0, 150 and 700): in the unwindowed layer the even split (decode_assignment: chunks of about 8 tiles a head over 264 workers a head
-// beat teams of 4 streaming up to 24), so chunks hold several short segments and cut the longer
-// pairs, every head's workers cut the same way (even_split_part), parts merged in global memory.
+// D 128; windows 0, 150 and 700): in the unwindowed layer the even split (decode_assignment: chunks
+// of about 8 tiles a head over 264 workers a head beat teams of 4 streaming up to 24), so chunks
+// hold several short segments and cut the longer pairs, every head's workers cut the same way
+// (even_split_part), parts merged in global memory.
 template <class Cache>
 void even_split_steps() {
   Cache cache = make_cache<Cache>({16, 4, 128, 64, 64000}, 40);
@@ -324,8 +325,8 @@ void team_steps(std::int32_t head_dim, std::int32_t min_len = 20, std::int32_t s
   std::vector<std::int32_t> seqs;
   for (int i = 0; i < 12; ++i) {
     seqs.push_back(cache.seq_new().value());
-    write_prompt(cache, harness, seqs.back(), min_len + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(spread)),
-                 rng, stream);
+    const std::int32_t len = min_len + static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(spread));
+    write_prompt(cache, harness, seqs.back(), len, rng, stream);
   }
   for (int step = 0; step < 4; ++step) {
     REQUIRE(cache.declare_step(seqs).ok());

@@ -256,7 +256,8 @@ TEST_CASE("decode work: every pair has a team in its block, and the teams fit it
     CAPTURE(trial);
     const std::int32_t blocks = 1 + static_cast<std::int32_t>(rng() % 140), warps = 1 + static_cast<std::int32_t>(rng() % 16);
     const std::int32_t heads_kv = 1 + static_cast<std::int32_t>(rng() % 8);
-    const std::int64_t segments = 1 + static_cast<std::int64_t>(rng() % ((static_cast<std::uint64_t>(blocks) * warps + 8) / heads_kv + 1));
+    const std::uint64_t most = (static_cast<std::uint64_t>(blocks) * warps + 8) / heads_kv + 1;
+    const std::int64_t segments = 1 + static_cast<std::int64_t>(rng() % most);
     const std::int64_t pairs = segments * heads_kv;
     const std::int32_t longest = 1 + static_cast<std::int32_t>(rng() % 40);
     const auto head_tiles = static_cast<std::int32_t>(segments * (1 + longest) / 2);
@@ -284,10 +285,12 @@ TEST_CASE("decode work: the even split covers every (segment, head, tile) once, 
     if (workers < heads_kv) continue;  // grids have a worker a head at least (decode_min_blocks)
     const std::int32_t segments = 1 + static_cast<std::int32_t>(rng() % 20);
     std::vector<std::int32_t> prefix{0};  // tiles of the segments before each
-    for (std::int32_t d = 0; d < segments; ++d) prefix.push_back(prefix.back() + 1 + static_cast<std::int32_t>(rng() % 50));
+    for (std::int32_t d = 0; d < segments; ++d)
+      prefix.push_back(prefix.back() + 1 + static_cast<std::int32_t>(rng() % 50));
     const std::int32_t head_tiles = prefix.back();
     // covered[h][x]: how many workers take tile x of head h (flat h * stride + x).
-    std::vector<std::vector<int>> covered(static_cast<std::size_t>(heads_kv), std::vector<int>(static_cast<std::size_t>(head_tiles)));
+    std::vector<std::vector<int>> covered(static_cast<std::size_t>(heads_kv),
+                                          std::vector<int>(static_cast<std::size_t>(head_tiles)));
     std::vector<std::int64_t> first_tile(static_cast<std::size_t>(workers), -1);  // head tile a worker starts at
     std::set<std::int32_t> slots;
     for (std::int64_t w = 0; w < workers; ++w) {

@@ -135,7 +135,8 @@ struct PairCursor {
   __device__ void seek(const A& a, std::int64_t flat, std::int64_t stride, int seg, int positions, int lane) {
     h = static_cast<int>(flat / stride);
     const auto x = static_cast<std::int32_t>(flat - h * stride);  // the head's tile
-    int lo = seg < 0 ? 0 : seg, hi = seg < 0 ? a.work.decode_count() - 1 : seg;  // the last segment whose first tile is <= x
+    // The last segment whose first tile is <= x.
+    int lo = seg < 0 ? 0 : seg, hi = seg < 0 ? a.work.decode_count() - 1 : seg;
     while (lo < hi) {
       const int step = (hi - lo + 32) / 32;
       const int at = lo + lane * step;

@@ -297,7 +297,8 @@ class TableAttention {
     int dec_blocks = 0;
     CELLKV_CUDA_THROW(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&dec_blocks, dec, kDec<D, Columns>.warps * 32, dec_smem));
     // At least one worker a KV head (the even split gives every head its own workers).
-    decode_grid_ = std::max(sms * (dec_blocks > 0 ? dec_blocks : 1), decode_min_blocks(shape_.heads_kv, kDec<D, Columns>.warps));
+    decode_grid_ = std::max(sms * (dec_blocks > 0 ? dec_blocks : 1),
+                            decode_min_blocks(shape_.heads_kv, kDec<D, Columns>.warps));
     slots_ = 2 * decode_grid_ * kDec<D, Columns>.warps;  // two partial slots per decode worker
   }
   template <int D>
