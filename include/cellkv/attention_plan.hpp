@@ -103,9 +103,11 @@ struct PrefillItem {
 };
 
 // One window's work, in fixed-capacity arrays (device or staging memory).
+inline constexpr std::int32_t kWindowCounts = 4;  // WindowWork::counts
 struct WindowWork {
-  // [4]: decode segments, prefill items, tiles of the longest decode segment, tiles of all decode
-  // segments (a KV head's: decode_prefix[decode segments], here too so the kernel need not wait for it)
+  // [kWindowCounts]: decode segments, prefill items, tiles of the longest decode segment, tiles of
+  // all decode segments (a KV head's: decode_prefix[decode segments], here too so the kernel need
+  // not wait for it)
   std::int32_t* counts = nullptr;
   std::int32_t* decode_seg = nullptr;     // [max_write] segment index of each decode segment
   std::int32_t* decode_prefix = nullptr;  // [max_write + 1] tiles of the decode segments before each
@@ -216,6 +218,11 @@ CELLKV_HOST_DEVICE constexpr std::int32_t decode_head_workers(std::int64_t worke
   const std::int64_t per_head = workers / heads_kv;
   return per_head > 1 ? static_cast<std::int32_t>(per_head) : 1;
 }
+// The even split's chunk for `head_tiles` tiles a head of `heads_kv` over `workers` workers.
+CELLKV_HOST_DEVICE constexpr std::int64_t even_chunk(std::int64_t head_tiles, std::int64_t workers,
+                                                     std::int32_t heads_kv) noexcept {
+  return decode_chunk(head_tiles, decode_head_workers(workers, heads_kv));
+}
 // Blocks of `warps` warps a decode grid needs at least: one worker a KV head.
 constexpr std::int32_t decode_min_blocks(std::int32_t heads_kv, std::int32_t warps) noexcept {
   return (heads_kv + warps - 1) / warps;
@@ -232,7 +239,7 @@ CELLKV_HOST_DEVICE constexpr EvenPart even_split_part(std::int64_t worker, std::
                                                       std::int32_t heads_kv, std::int32_t head_tiles) noexcept {
   const std::int32_t per_head = decode_head_workers(workers, heads_kv);
   EvenPart p;
-  p.chunk = decode_chunk(head_tiles, per_head);
+  p.chunk = even_chunk(head_tiles, workers, heads_kv);
   p.stride = per_head * p.chunk;
   const std::int64_t h = worker % heads_kv, c = worker / heads_kv;
   if (c >= per_head) return p;
@@ -277,11 +284,6 @@ CELLKV_HOST_DEVICE constexpr std::int32_t merge_levels(std::int64_t parts) noexc
 // levels of the longest pair's parts.
 CELLKV_HOST_DEVICE constexpr std::int64_t even_split_cost(std::int64_t chunk, std::int32_t longest) noexcept {
   return chunk + static_cast<std::int64_t>(kMergeLevelTiles) * merge_levels((longest + chunk - 1) / chunk);
-}
-// The even split's chunk for `head_tiles` tiles a head of `heads_kv` over `workers` workers.
-CELLKV_HOST_DEVICE constexpr std::int64_t even_chunk(std::int64_t head_tiles, std::int64_t workers,
-                                                     std::int32_t heads_kv) noexcept {
-  return decode_chunk(head_tiles, decode_head_workers(workers, heads_kv));
 }
 CELLKV_HOST_DEVICE constexpr DecodeAssignment decode_assignment(std::int64_t pairs, std::int32_t blocks, std::int32_t warps,
                                                                std::int32_t longest, std::int64_t head_tiles,

@@ -78,9 +78,9 @@ struct StepBlockLayout {
     window_read_len = window_cells + 8 * w * static_cast<std::size_t>(s.window_pools);
     segments = align16(window_read_len + 8 * static_cast<std::size_t>(s.window_pools));
     work = align16(segments + sizeof(Segment) * w);
-    // per window: counts [4], decode_seg [w], decode_prefix [w + 1], then from a 16-byte boundary
-    // (work_at) the prefill items
-    work_bytes = align16(align16(4 * (4 + w + w + 1)) + sizeof(PrefillItem) * static_cast<std::size_t>(s.max_prefill));
+    // per window: counts [kWindowCounts], decode_seg [w], decode_prefix [w + 1], then from a
+    // 16-byte boundary (work_at) the prefill items
+    work_bytes = align16(window_ints_bytes(w) + sizeof(PrefillItem) * static_cast<std::size_t>(s.max_prefill));
     ranges = work + work_bytes * static_cast<std::size_t>(s.windows);
     shared = align16(ranges + (s.ranges ? sizeof(RowRange) * w * static_cast<std::size_t>(s.windows) : 0));
     const auto slots = static_cast<std::size_t>(s.shared_slots);
@@ -111,11 +111,13 @@ struct StepBlockLayout {
     std::byte* at = base + work + work_bytes * static_cast<std::size_t>(b);
     auto* ints = reinterpret_cast<std::int32_t*>(at);
     const auto w = static_cast<std::size_t>(max_write);
-    return WindowWork{ints, ints + 4, ints + 4 + w,
-                      reinterpret_cast<PrefillItem*>(at + align16(4 * (4 + w + w + 1)))};
+    return WindowWork{ints, ints + kWindowCounts, ints + kWindowCounts + w,
+                      reinterpret_cast<PrefillItem*>(at + window_ints_bytes(w))};
   }
 
  private:
+  // A window's counts, decode_seg and decode_prefix, to a 16-byte boundary.
+  static constexpr std::size_t window_ints_bytes(std::size_t w) { return align16(4 * (kWindowCounts + w + w + 1)); }
   static constexpr std::size_t align16(std::size_t n) { return (n + 15) / 16 * 16; }
 };
 
