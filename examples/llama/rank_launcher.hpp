@@ -6,7 +6,8 @@
 // A rank that fails (exits non-zero or dies of a signal) does not take the others down at once: they
 // get `grace` to notice it through their own collectives' timeouts and end with their own error
 // (which is what a rank started by hand on another machine would do); whoever is still running
-// after that is killed (SIGKILL) and reported so.
+// after that is killed (SIGKILL) and reported so. The launcher kills the rank processes it started,
+// not processes they start in turn: a rank that runs children must end them itself.
 #pragma once
 
 #include <signal.h>

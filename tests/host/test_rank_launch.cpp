@@ -186,8 +186,11 @@ TEST_CASE("launcher: every rank's exit status and signal, in rank order") {
 }
 
 TEST_CASE("launcher: a rank still running `grace` after another failed is killed and reported so") {
+  // Rank 2 execs sleep, so the process the launcher kills is the sleep itself: a shell's child would
+  // outlive its shell (the launcher kills rank processes, not their descendants) and hold the test's
+  // stdout open for its 600 s, which a test runner waiting for end of output would wait out.
   const auto exits = llama::launch_ranks("/bin/sh", 3, [](std::int32_t r) {
-    return std::vector<std::string>{"-c", r == 1 ? "exit 5" : r == 0 ? "sleep 0.05; exit 0" : "sleep 600"};
+    return std::vector<std::string>{"-c", r == 1 ? "exit 5" : r == 0 ? "sleep 0.05; exit 0" : "exec sleep 600"};
   }, 200ms);
   REQUIRE(exits.size() == 3);
   CHECK(exits[0].ok());
