@@ -19,13 +19,16 @@
 // tiles), not from one warp's depth. At the end of a pair's part the warp writes the output, or,
 // for a pair cut by a chunk boundary, a partial (o, lse) that the last part to finish merges:
 // groups of kMergeFanIn parts merge into their first part's slot, level by level, and the last
-// level writes the output. Counters return to zero, so the next launch (and a
-// graph replay) starts clean. Rows of the padding tokens [tokens, width) are written as zeros.
+// level writes the output. A chunk's last pair looks at its group's count first: when every other
+// part of a pair merged in one level is in, the warp merges their partials into its registers and
+// writes the output, without storing its own partial (merge_in_registers). Counters return to
+// zero, so the next launch (and a graph replay) starts clean. Rows of the padding tokens [tokens, width) are written as zeros.
 //
 // Block: Warps x 32 threads, one worker per warp; grid: any fixed size (persistent); dynamic smem:
 // decode_smem_bytes<D, Stages, Warps>().
 #pragma once
 
+#include <cuda/atomic>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -757,22 +760,74 @@ __device__ void merge_up(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, c
   }
 }
 
+// Whether this part of the pair at `c` may merge the others in its registers: the pair's parts
+// merge in one level (at most kMergeFanIn) and every other part has counted itself in, so their
+// partials are visible (their fence and count, this acquire) and no part counts again. Then the
+// count returns to zero here. One round trip (lane 0's acquire load); every lane gets the answer.
+template <class T, class Rows, class S>
+__device__ bool others_all_in(const DecodeArgs<T, Rows, S>& a, const PartRange& parts, std::int64_t begin,
+                              std::int64_t chunk, int lane) {
+  const int n = parts.count();
+  if (n > kMergeFanIn) return false;
+  std::int32_t* count = a.merge_counts + part_slot(parts.first, begin, chunk);  // level 0
+  int in = 0;
+  if (lane == 0) in = ::cuda::atomic_ref<std::int32_t, ::cuda::thread_scope_device>{*count}.load(::cuda::memory_order_acquire);
+  if (__shfl_sync(0xffffffffu, in, 0) != n - 1) return false;
+  if (lane == 0) *count = 0;
+  return true;
+}
+
+// Row r of this lane's share `res` (normalized values, lse) with the partials of the pair's other
+// parts merged in by log-sum-exp, one part at a time. A part's values load in batches of 16 that
+// do not wait for its lse (at D 128 all together with it; at D 256 fewer registers at once).
+template <class R, class T, int D, class Rows, class S>
+__device__ void merge_in_registers(const DecodeArgs<T, Rows, S>& a, R& res, int r, const PartRange& parts, int own,
+                                   std::int64_t begin, std::int64_t chunk, int lane) {
+  constexpr int kBatch = R::kValues < 16 ? R::kValues : 16;
+  static_assert(R::kValues % kBatch == 0);
+#pragma unroll 1
+  for (int m = 0; m < parts.count(); ++m) {
+    if (m == own) continue;
+    const std::int64_t row = static_cast<std::int64_t>(part_slot(parts.first + m, begin, chunk)) * kDecodeRows + r;
+    const float lse = __ldcg(a.partial_lse + row);
+    const float top = fmaxf(res.lse, lse);
+    if (top == -INFINITY) continue;  // neither saw a position
+    const float mine = exp2f(res.lse - top), theirs = exp2f(lse - top), sum = mine + theirs;
+    const float wm = mine / sum, wt = theirs / sum;
+#pragma unroll
+    for (int j0 = 0; j0 < R::kValues; j0 += kBatch) {
+      float v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) v[j] = __ldcg(a.partial_o + row * D + R::column(j0 + j, lane));
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) res.v(j0 + j) = wm * res.v(j0 + j) + wt * v[j];
+    }
+    res.lse = top + log2f(sum);
+  }
+}
+
 // The end of a pair's part in this worker: the output when the pair is whole here (always when
 // chunk is 0: a team of one, WorkerTiles), else this part's partial (o / l, lse per row), then the
-// merge.
-template <class T, int D, class Rows, class S, class State>
+// merge. Peek (the chunk's last pair, after the decode loop): first merge_in_registers where the
+// other parts are all in (others_all_in).
+template <bool Peek, class T, int D, class Rows, class S, class State>
 __device__ void finish_pair(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, const PairRows& p, State& st,
                             int worker, std::int64_t chunk, int lane) {
-  const bool whole = chunk == 0 || parts_of(c.begin, c.begin + c.tiles, chunk).count() == 1;
+  const PartRange parts = parts_of(c.begin, c.begin + c.tiles, chunk);
+  const bool whole = chunk == 0 || parts.count() == 1;
+  const bool merged = Peek && !whole && others_all_in(a, parts, c.begin, chunk, lane);
   const int slot = whole ? 0 : part_slot(worker, c.begin, chunk);
   using R = typename HalfOf<State>::type;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = R::row(h, lane);
-    const R res(st, h);
+    R res(st, h);
     if (r >= p.rows) continue;
     auto column = [&](int j) { return R::column(j, lane); };
-    if (whole) {
+    if constexpr (Peek) {
+      if (merged) merge_in_registers<R, T, D>(a, res, r, parts, worker - parts.first, c.begin, chunk, lane);
+    }
+    if (whole || merged) {
       a.shared.template fold<D, R::kValues>(p.token(r), p.head(r), a.heads_q, res.lse, column,
                                             [&](int j) -> float& { return res.v(j); });
       T* dst = output_row<D>(a, p, r);
@@ -783,7 +838,7 @@ __device__ void finish_pair(const DecodeArgs<T, Rows, S>& a, const PairCursor& c
       res.store_partial(a.partial_o + row * D, a.partial_lse + row, lane);
     }
   }
-  if (!whole) merge_up<T, D>(a, c, p, worker, chunk, lane);
+  if (!whole && !merged) merge_up<T, D>(a, c, p, worker, chunk, lane);
 }
 
 // Rows [tokens, width) of the output: zeros (tokens: *a.tokens, read by the caller together with
@@ -990,8 +1045,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
           cp_async_wait<0>();
           __syncwarp();  // every lane's last reads of the stages, before the part overwrites them
           store_team_part<D>(part(), st, p.rows, lane);
+        } else if (g == g1 - 1) {
+          break;  // the range's last pair: finished after the loop, where registers are free
         } else {
-          finish_pair<T, D>(a, cc, p, st, worker, mode, lane);
+          finish_pair<false, T, D>(a, cc, p, st, worker, mode, lane);
         }
         st = State{};  // the next pair's (here, not at its first tile: no per-tile selects)
         vref = ValueRef{};
@@ -1000,6 +1057,7 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
       cur = cur + 1 == Stages ? 0 : cur + 1;
     }
     cp_async_wait<0>();
+    if (mode >= 0) finish_pair<true, T, D>(a, cc, PairRows{cc.seg, group, cc.h, cc.seg.len * group}, st, worker, mode, lane);
   }
   if (mode < 0) {
     const int team = static_cast<int>(-mode);
