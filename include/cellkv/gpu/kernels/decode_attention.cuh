@@ -22,7 +22,8 @@
 // level writes the output. A chunk's last pair looks at its group's count first: when every other
 // part of a pair merged in one level is in, the warp merges their partials into its registers and
 // writes the output, without storing its own partial (merge_in_registers). Counters return to
-// zero, so the next launch (and a graph replay) starts clean. Rows of the padding tokens [tokens, width) are written as zeros.
+// zero, so the next launch (and a graph replay) starts clean. Rows of the padding tokens [tokens,
+// width) are written as zeros.
 //
 // Block: Warps x 32 threads, one worker per warp; grid: any fixed size (persistent); dynamic smem:
 // decode_smem_bytes<D, Stages, Warps>().
@@ -813,8 +814,8 @@ __device__ void merge_in_registers(const DecodeArgs<T, Rows, S>& a, R& res, int 
 template <bool Peek, class T, int D, class Rows, class S, class State>
 __device__ void finish_pair(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, const PairRows& p, State& st,
                             int worker, std::int64_t chunk, int lane) {
-  const PartRange parts = parts_of(c.begin, c.begin + c.tiles, chunk);
-  const bool whole = chunk == 0 || parts.count() == 1;
+  const PartRange parts = chunk == 0 ? PartRange{} : parts_of(c.begin, c.begin + c.tiles, chunk);  // {}: one part
+  const bool whole = parts.count() == 1;
   const bool merged = Peek && !whole && others_all_in(a, parts, c.begin, chunk, lane);
   const int slot = whole ? 0 : part_slot(worker, c.begin, chunk);
   using R = typename HalfOf<State>::type;
