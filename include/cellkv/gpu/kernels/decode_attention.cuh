@@ -779,8 +779,8 @@ __device__ bool others_all_in(const DecodeArgs<T, Rows, S>& a, const PartRange& 
 }
 
 // Row r of this lane's share `res` (normalized values, lse) with the partials of the pair's other
-// parts merged in by log-sum-exp, one part at a time. A part's values load in batches of 16 that
-// do not wait for its lse (at D 128 all together with it; at D 256 fewer registers at once).
+// parts merged in by log-sum-exp, one part at a time: its lse, then (unless neither part saw a
+// position) its values in batches of 16 loads (at D 256 fewer registers at once).
 template <class R, class T, int D, class Rows, class S>
 __device__ void merge_in_registers(const DecodeArgs<T, Rows, S>& a, R& res, int r, const PartRange& parts, int own,
                                    std::int64_t begin, std::int64_t chunk, int lane) {
