@@ -16,7 +16,8 @@
 //
 // Not counted: the table kernels' scratch (partial softmax results: of the decode kernel, sized
 // from the device, 2 x SMs x resident decode blocks per SM x warps x 16 x (D + 1) floats, about
-// 17 MB per resident block per SM on an H200 for D = 128 or 256; of the shared-prefix kernel,
+// 17 MB on an H200 for bf16 / fp16 at D = 128 (8 warps), 26 MB for the fp8 columns kernel (12
+// warps); of the shared-prefix kernel,
 // shared_slot_capacity(max_write) x H_q x (D + 1) floats, at most 2048 x H_q x (D + 1) x 4 bytes),
 // and host memory (the pinned staging of two step blocks, the fault word).
 // Every size is computed in size_t; a configuration whose sizes overflow is refused.

@@ -25,7 +25,8 @@
 // zero, so the next launch (and a graph replay) starts clean. Rows of the padding tokens [tokens,
 // width) are written as zeros.
 //
-// Block: Warps x 32 threads, one worker per warp; grid: any fixed size (persistent); dynamic smem:
+// Block: Warps x 32 threads, one worker per warp; grid: any fixed size of at least H_kv warps
+// (decode_min_blocks: every KV head needs a worker), persistent; dynamic smem:
 // decode_smem_bytes<D, Stages, Warps>().
 #pragma once
 

@@ -27,7 +27,7 @@
 // All T tiles are swizzled (SwizzledTile<D>).
 //
 // Grid: persistent (fixed); block: kPrefillWarps x 32 threads. On sm_90a, prefill_wgmma.cuh serves
-// T pools of head dim 64 and 128 instead (items of kPrefillRows = 128 rows).
+// T pools of head dim 64, 128 and 256 instead (items of kPrefillRows = 128 rows).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,7 +1,9 @@
 // cellkv/gpu/launch/dispatch.cuh - the one place runtime values become template instantiations.
 //
-// Supported instantiations (every kernel is built for each):
-//   element type T: __nv_bfloat16, __half, float     (fp32 accumulation throughout)
+// Instantiations the dispatch produces (fp32 accumulation throughout):
+//   element type T: __nv_bfloat16, __half, float     (the reference and write kernels; the table
+//                   kernels serve bf16 / fp16 and their fp8 storage only, table_kernels_support in
+//                   launch/table_attention.cuh, and fp32 pools use the reference kernel)
 //   head dim D:     64, 128, 256
 #pragma once
 

@@ -13,20 +13,23 @@
 //   decode_attention    the decode segments, split evenly over one worker per warp, merged in-kernel
 //   prefill_attention   the prefill items, on a forked stream so both kinds of segment run together;
 //                       prefill_wgmma instead where the device runs sm_90a code (wgmma: Hopper),
-//                       the pool stores bf16 / fp16, D is 64 or 128 and the kernel's launch
+//                       the pool stores bf16 / fp16, D is 64, 128 or 256 (its shared-prefix kernel:
+//                       64 or 128) and the kernel's launch
 //                       registers cover its warpgroups' setmaxnreg split. Setting the environment
 //                       variable CELLKV_PREFILL_KERNEL=mma before a cache is made keeps the
 //                       mma.sync kernels, prefill and shared prefix (tests compare the two).
 // The last two fold the shared partials (every split of every run of a token) into their outputs.
 // Outside graph capture a kernel with no work in the uploaded step is not launched at all. On sm_90
-// and later every one of them is a dependent launch (kernels/dependent_launch.cuh): it is scheduled
-// while the kernel before it finishes, reads the step's plan (work, segments, position tables) and
-// waits for that kernel before it reads q or the pool; the shared-prefix and prefill kernels wait
-// as they start, the decode kernel after its first table reads.
+// and later every one of them is a dependent launch (kernels/dependent_launch.cuh), except the
+// prefill kernel on the forked stream of a step with both kinds of segment (it follows an event):
+// it is scheduled while the kernel before it finishes, reads the step's plan (work, segments,
+// position tables) and waits for that kernel before it reads q or the pool; the shared-prefix and
+// prefill kernels wait as they start, the decode kernel after its first table reads.
 //
 // Supported, written out: element types __nv_bfloat16 and __half (fp32 accumulation) and fp8
 // storage of either (gpu::Fp8<In>: E4M3 codes with a scale per row-head; decode converts codes to
-// fp16 per tile and keeps the scales outside the MMA, kernels/fp8_tiles.cuh), head dims 64, 128
+// fp16 in registers at D 128 and through fp16 tiles at D 64 (V) and 256 (K and V), keeping the
+// scales outside the MMA, kernels/fp8_tiles.cuh), head dims 64, 128
 // and 256, any H_q that is a multiple of H_kv. fp32 storage uses the reference kernel.
 #pragma once
 
