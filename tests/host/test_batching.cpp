@@ -1663,6 +1663,68 @@ TEST_CASE("session table: discard_pending drops lost tokens and steps the sessio
   check_positions(cache, table);
 }
 
+namespace {
+
+// next_step, declare_step and accept_pending: the step's tokens stay on their way.
+void run_pending(Cells& cache, CellTable& table) {
+  auto s = table.next_step();
+  REQUIRE(s.ok());
+  REQUIRE(cache.declare_step(s.value().seqs).ok());
+  REQUIRE(table.accept_pending().ok());
+}
+
+}  // namespace
+
+TEST_CASE("session table: a session that loses its first token feeds its last prompt token again") {
+  auto cache = make_cells();
+  CellTable table(cache, kLimits);
+  const SessionId a = table.add(Tokens{1, 2, 3}, 4).value();
+  run(cache, table, {7});  // a's prompt; it draws 7
+  const SessionId c = table.add(Tokens{6, 7, 8, 9}, 4).value();
+  run_pending(cache, table);  // step 1: a feeds 7 and samples; c's prompt samples its first token
+  run_pending(cache, table);  // step 2: a and c feed step 1's tokens (deferred)
+  CHECK(table.cached_tokens(c).value() == 5);
+  table.discard_pending();  // step 1 lost: a keeps {7}; c loses its first token and step 2's
+  CHECK(table.pending_steps() == 1);
+  CHECK(to_tokens(table.output(a).value()) == Tokens{7});
+  CHECK(table.output(c).value().empty());
+  CHECK(table.state(c).value() == SessionState::feeding);
+  CHECK(table.cached_tokens(c).value() == 3);  // the prompt but its last token
+  CHECK(table.cached_tokens(a).value() == 3);
+  check_positions(cache, table);
+  CHECK(table.resolve(Tokens{11, 12}).ok());  // step 2's entries are forgotten: skipped
+  CHECK(to_tokens(table.output(a).value()) == Tokens{7});
+  CHECK(table.output(c).value().empty());
+  const Ran r = run(cache, table, {13, 14});  // a feeds 7 again, c its last prompt token
+  CHECK(r.batch.tokens == Tokens{7, 9});
+  CHECK(r.positions == Positions{3, 3});
+  CHECK(r.batch.deferred.empty());
+  CHECK(to_tokens(table.output(a).value()) == Tokens{7, 13});
+  CHECK(to_tokens(table.output(c).value()) == Tokens{14});
+  check_positions(cache, table);
+}
+
+TEST_CASE("session table: a discarded step's later entries never land in the tokens drawn again") {
+  auto cache = make_cells();
+  CellTable table(cache, {.max_write = 8, .min_prefill_tokens = 2, .max_tokens_per_session = 32, .vocab = 100});
+  const SessionId a = table.add(Tokens{1, 2}, 10).value();
+  run(cache, table, {5});
+  run_pending(cache, table);  // A: feeds 5, samples output[1]
+  run_pending(cache, table);  // B: feeds output[1] (deferred), samples output[2]
+  table.discard_pending();    // A lost, and with it B's output[2]
+  REQUIRE(to_tokens(table.output(a).value()) == Tokens{5});
+  run_pending(cache, table);  // C: feeds 5 again, samples output[1]
+  run_pending(cache, table);  // D: feeds output[1] (deferred), samples output[2]
+  CHECK(table.pending_steps() == 3);
+  REQUIRE(table.resolve(Tokens{77}).ok());  // B: its token belongs to the lost branch
+  CHECK(to_tokens(table.output(a).value()) == Tokens{5});
+  REQUIRE(table.resolve(Tokens{30}).ok());  // C
+  REQUIRE(table.resolve(Tokens{31}).ok());  // D
+  CHECK(to_tokens(table.output(a).value()) == Tokens{5, 30, 31});
+  CHECK(table.cached_tokens(a).value() == 4);
+  check_positions(cache, table);
+}
+
 TEST_CASE("session table: log-probs are kept for the sessions that ask") {
   auto cache = make_cells();
   CellTable table(cache, kLimits);

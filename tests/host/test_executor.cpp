@@ -1,16 +1,18 @@
-// The executor on the host reference path with the example decoder: batched generation equals
-// solo generation token for token (different prompt lengths, a fork), a hand-made schedule of
-// widths 20, 1, 4, 2, 4, 7, 3 with partial prefills uses both methods and still matches, and cells
-// reused across rounds of sessions leak nothing; seeded sampling is the same batched, solo, with or
+// The executor on the host reference path with the example decoder: batched generation equals solo
+// generation token for token (different prompt lengths, a fork), a hand-made schedule of widths 20,
+// 1, 4, 2, 4, 7, 3 with partial prefills uses both methods and still matches, and cells reused
+// across rounds of sessions leak nothing; seeded sampling is the same batched, solo, with or
 // without overlap; n samples of a prompt (add_samples) each equal a solo run with the sample's
 // seed, and hold the leader's prompt cells; stop tokens end sessions (the token after is discarded
-// and rewound); tokens come back one step behind; refusals at add (budgets, ids, sampling) and at
-// step time (naming the session) change nothing. The host path computes in fp32 with a fixed summation order per row,
-// so equality is exact up to float ties.
+// and rewound); tokens come back one step behind; a step whose tokens are lost (the model's retire
+// fails) is drawn again, so outputs still equal solo generation; refusals at add (budgets, ids,
+// sampling) and at step time (naming the session) change nothing. The host path computes in fp32
+// with a fixed summation order per row, so equality is exact up to float ties.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -289,6 +291,66 @@ TEST_CASE("host executor: a stop token ends a session; the token after it is dis
     CHECK(exec.stats().tokens_generated - exec.stats().tokens_discarded ==
           static_cast<std::int64_t>(want.size()) + 12);
   }
+}
+
+namespace {
+
+// The example decoder whose fail_at-th retire reports a device fault: that step's tokens are lost.
+template <class Cache>
+struct FaultyRetire {
+  llama::HostLlama<Cache>& inner;
+  int fail_at = 0;
+  int retires = 0;
+  std::int32_t vocab() const { return inner.vocab(); }
+  std::int32_t min_prefill_tokens() const { return inner.min_prefill_tokens(); }
+  Status forward(const ForwardStep& step) { return inner.forward(step); }
+  Status retire(std::span<std::int32_t> tokens, std::span<float> logprobs) {
+    if (const Status s = inner.retire(tokens, logprobs); !s.ok()) return s;
+    return ++retires == fail_at ? Status(Errc::device_error) : Status{};
+  }
+};
+
+// Sessions of several prompt lengths (one fed in chunks) run to the end while the step whose
+// tokens come back fail_at-th is lost: each session draws the lost tokens again (its first one by
+// feeding its last prompt token again), so every output equals solo generation.
+template <class Cache>
+void lost_step_is_drawn_again(int fail_at, bool overlap) {
+  Cache cache(kCacheConfig);
+  llama::HostLlama<Cache> host(kConfig, weights(), cache);
+  FaultyRetire<Cache> model{host, fail_at};
+  Executor exec(model, cache, kLimits, {.overlap = overlap});
+  const std::int32_t lengths[] = {1, 9, 30};
+  std::vector<SessionId> ids;
+  for (std::int32_t i = 0; i < 3; ++i) ids.push_back(exec.sessions().add(prompt_of(lengths[i], i), 6).value());
+  int faults = 0;
+  for (int guard = 0; guard < 100; ++guard) {
+    const auto r = exec.step();
+    if (r.ok()) continue;
+    if (r.status() == Errc::empty_step) break;
+    CHECK(r.status() == Errc::device_error);
+    ++faults;
+  }
+  CHECK(faults == 1);
+  for (std::int32_t i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    const SessionId id = ids[static_cast<std::size_t>(i)];
+    const auto out = exec.sessions().output(id).value();
+    CHECK(std::vector<std::int32_t>(out.begin(), out.end()) == solo<Cache>(prompt_of(lengths[i], i), 6));
+    CHECK(cache.pos(exec.sessions().sequence_of(id).value()).value() == exec.sessions().cached_tokens(id).value());
+  }
+  CHECK(exec.stats().tokens_discarded > 0);
+}
+
+}  // namespace
+
+TEST_CASE("host executor: a step whose tokens are lost (the model's retire fails) is drawn again") {
+  for (const bool overlap : {true, false})
+    for (const int fail_at : {1, 2, 3, 5}) {
+      CAPTURE(overlap);
+      CAPTURE(fail_at);
+      lost_step_is_drawn_again<Cells>(fail_at, overlap);
+      lost_step_is_drawn_again<Slots>(fail_at, overlap);
+    }
 }
 
 TEST_CASE("host executor: with overlap, tokens come back one step behind; drain brings in the rest") {

@@ -549,8 +549,11 @@ class SessionTable {
   }
 
   // Drops the tokens of the oldest accepted step still on its way (they were lost: the device
-  // failed): each session of it loses that token and any later one, and is rewound to match, as
-  // after a stop token. Nothing when nothing is on its way.
+  // failed): each session of it loses that token and any later one (a later accepted step's
+  // entries for it are forgotten, so their resolve skips them), and is rewound to match, as after
+  // a stop token. A session that loses its first generated token goes back to feeding its last
+  // prompt token, whose logits gave it (the prompt tokens before it stay fed). Nothing when
+  // nothing is on its way.
   void discard_pending() {
     if (pending_.empty()) return;
     rewinds_.clear();
@@ -831,12 +834,15 @@ class SessionTable {
     return {};
   }
 
-  // Keeps output[0, keep) of s: drops the later tokens (resolved or on their way), marks s stopped
-  // when its last kept token is a stop token, and rewinds its sequence over the dropped tokens it
-  // fed.
+  // Keeps output[0, keep) of s: drops the later tokens (resolved or on their way) and the accepted
+  // steps' entries for them, marks s stopped when its last kept token is a stop token, and rewinds
+  // its sequence over the dropped tokens it fed. Keeping none of at least one token unfeeds the
+  // last prompt token too (the next step feeds it again to sample token 0 anew).
   void cut_after(Session& s, std::size_t keep) {
     const std::int32_t before = cached(s);
+    if (keep == 0 && !s.output.empty()) --s.fed;  // output[0] came from the last prompt token's logits
     discarded_ += static_cast<std::int64_t>(s.output.size() - keep);
+    forget_pending(s.id, keep);
     s.output.resize(keep);
     if (s.sampling.logprobs) s.logprobs.resize(keep);
     s.resolved = std::min(s.resolved, static_cast<std::int32_t>(keep));
@@ -845,6 +851,15 @@ class SessionTable {
     if (after == before) return;
     rewinds_.push_back({s.seq, after});
     if constexpr (RewindableCache<Cache>) (void)cache_->rewind(s.seq, after);
+  }
+
+  // Makes the pending steps' entries for output[keep, ...) of session `id` point at no session (id 0:
+  // ids start at 1), so resolve skips them (a step's row count never changes) even once the output
+  // grows again.
+  void forget_pending(SessionId id, std::size_t keep) {
+    for (PendingStep& step : pending_)
+      for (PendingSample& p : step.samples)
+        if (p.session == id && static_cast<std::size_t>(p.index) >= keep) p.session = 0;
   }
 
   // The context shift of s (see "Context shift" above): pos = cached(s), n_discard = (pos - keep) / 2
