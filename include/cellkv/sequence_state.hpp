@@ -62,6 +62,7 @@
 #include "cellkv/host_fp8_pool.hpp"
 #include "cellkv/host_pool.hpp"
 #include "cellkv/status.hpp"
+#include "cellkv/step_plan.hpp"
 #include "cellkv/windows.hpp"
 
 namespace cellkv {
@@ -169,7 +170,8 @@ inline std::vector<std::byte> state_frame(const StateShape& shape, std::span<con
   detail::put<std::uint32_t>(out, 32, shape.dtype);
   detail::put<std::uint32_t>(out, 36, shape.windows);
   detail::put<std::uint32_t>(out, 40, static_cast<std::uint32_t>(held));
-  detail::put<std::int32_t>(out, 44, positions.empty() ? 0 : positions.back() + 1);
+  // In 64 bits, then modulo 2^32: a last position of INT32_MAX gives a length no parse accepts.
+  detail::put<std::int32_t>(out, 44, positions.empty() ? 0 : static_cast<std::int32_t>(std::int64_t{positions.back()} + 1));
   detail::put<std::uint64_t>(out, 48, payload);
   detail::put<std::uint32_t>(out, 64, static_cast<std::uint32_t>(shape.storage));
   detail::put<std::uint32_t>(out, 68, 0);
@@ -284,7 +286,8 @@ inline Result<SavedState> parse_state(std::span<const std::byte> bytes, const St
   if (held != 0) std::memcpy(s.positions.data(), bytes.data() + header, 4 * static_cast<std::size_t>(held));
   for (std::size_t i = 0; i < s.positions.size(); ++i)
     if (s.positions[i] < 0 || (i > 0 && s.positions[i] <= s.positions[i - 1])) return Errc::state_corrupt;
-  const std::int32_t length = s.positions.empty() ? 0 : s.positions.back() + 1;
+  // In 64 bits: the last position may be INT32_MAX.
+  const std::int64_t length = s.positions.empty() ? 0 : std::int64_t{s.positions.back()} + 1;
   if (s.length != length) return Errc::state_corrupt;
   const std::size_t rows_at = header + 4 * static_cast<std::size_t>(held);
   const auto rows_bytes = static_cast<std::size_t>(2 * static_cast<std::uint64_t>(h.layers) * held * h.row_bytes());
@@ -347,9 +350,42 @@ Result<SavedState> parse_state_for(const Cache& cache, std::span<const std::byte
 }
 
 namespace detail {
+// Whether a pending row copy writes into, or a pending K re-rotation rewrites, one of `rows`
+// (sorted ascending): such rows hold their final contents only once the changes are applied
+// (HostPool::sync on the host, the next upload on a device).
+inline bool rows_pending(const PendingChanges& pending, std::span<const std::int64_t> rows) {
+  auto held = [&](std::int64_t first, std::int64_t count) {  // any row of [first, first + count) in rows
+    const auto it = std::lower_bound(rows.begin(), rows.end(), first);
+    return it != rows.end() && *it < first + count;
+  };
+  return std::any_of(pending.copies.begin(), pending.copies.end(),
+                     [&](const RowCopy& c) { return held(c.dst_row, c.rows); }) ||
+         std::any_of(pending.rotations.begin(), pending.rotations.end(),
+                     [&](const RowRotation& r) { return held(r.cell, 1); });
+}
+
+// What every host save reads: the held positions of sequence id, refused (bad_argument) for a cache
+// with window storage, then for held_positions' reasons, then with rows_pending while a pending copy
+// or K re-rotation (a copy-on-write seq_add, a fork of the sequence layout) would still change
+// one of its rows: HostPool::sync first.
+template <class Cache>
+Result<std::vector<std::int32_t>> final_held_positions(const Cache& cache, std::int32_t id) {
+  if (has_window_storage(cache)) return Errc::bad_argument;  // its layers' rows live in several pools
+  Result<std::vector<std::int32_t>> held = cache.held_positions(id);
+  if (!held.ok()) return held;
+  std::vector<std::int64_t> rows;
+  rows.reserve(held.value().size());
+  for (const std::int32_t p : held.value()) rows.push_back(cache.row_of(id, p));
+  std::sort(rows.begin(), rows.end());
+  if (rows_pending(cache.pending_changes(), rows)) return Errc::rows_pending;
+  return held;
+}
+
 // What every host restore does: parse `bytes` against `shape` and the cache's limits, place a new
 // sequence at the saved positions, then write_row(state, layer, i, pool row) for every layer and
-// held position i. Refused, changing nothing, for parse_state_for's and restore_positions' reasons.
+// held position i. Refused, changing nothing, for parse_state_for's reasons, then with
+// rows_pending while row copies wait for HostPool::sync (a fresh row could be the source of one),
+// then for restore_positions' reasons.
 template <class Cache, class WriteRow>
 Result<std::int32_t> restore_rows(Cache& cache, std::span<const std::byte> bytes, const StateShape& shape,
                                   WriteRow&& write_row) {
@@ -357,6 +393,7 @@ Result<std::int32_t> restore_rows(Cache& cache, std::span<const std::byte> bytes
   const Result<SavedState> parsed = parse_state_for(cache, bytes, shape);
   if (!parsed.ok()) return parsed.status().code();
   const SavedState& s = parsed.value();
+  if (!cache.pending_changes().copies.empty()) return Errc::rows_pending;
   const Result<std::int32_t> id = cache.restore_positions(s.positions);
   if (!id.ok()) return id;
   for (std::int32_t l = 0; l < s.shape.layers; ++l)
@@ -365,12 +402,12 @@ Result<std::int32_t> restore_rows(Cache& cache, std::span<const std::byte> bytes
 }
 }  // namespace detail
 
-// The state of sequence id: its held positions and their K and V rows in `pool`.
+// The state of sequence id: its held positions and their K and V rows in `pool`. Refused for
+// final_held_positions' reasons (rows_pending: HostPool::sync first).
 template <class Cache, class T>
 Result<std::vector<std::byte>> save_sequence(const Cache& cache, HostPool<T>& pool, std::int32_t id,
                                              std::uint32_t dtype) {
-  if (has_window_storage(cache)) return Errc::bad_argument;  // its layers' rows live in several pools
-  const Result<std::vector<std::int32_t>> held = cache.held_positions(id);
+  const Result<std::vector<std::int32_t>> held = detail::final_held_positions(cache, id);
   if (!held.ok()) return held.status().code();
   const std::vector<std::int32_t>& positions = held.value();
   return encode_state(state_shape<Cache>(pool, dtype), positions, [&](std::int32_t l, std::int32_t kv, std::size_t i) {
@@ -381,8 +418,9 @@ Result<std::vector<std::byte>> save_sequence(const Cache& cache, HostPool<T>& po
 }
 
 // A new sequence holding the saved positions, its rows written into `pool`. Refused, changing
-// neither the cache nor the pool: parse_state's reasons, then restore_positions' (no free id, cells,
-// pages; the sequence layout refuses a state with holes).
+// neither the cache nor the pool: parse_state's reasons, rows_pending (row copies wait for
+// HostPool::sync), then restore_positions' (no free id, cells, pages; the sequence layout refuses a
+// state with holes).
 template <class Cache, class T>
 Result<std::int32_t> restore_sequence(Cache& cache, HostPool<T>& pool, std::span<const std::byte> bytes,
                                       std::uint32_t dtype) {
@@ -398,11 +436,10 @@ Result<std::int32_t> restore_sequence(Cache& cache, HostPool<T>& pool, std::span
 // ---- a host cache and its fp8 pool (host_fp8_pool.hpp): codes and scales ----
 
 // The state of sequence id: its held positions, the K and V codes of their rows in `pool` and the
-// rows' scales (fp8 storage). The dtype tag is the caller's, as for a HostPool.
+// rows' scales (fp8 storage). The dtype tag is the caller's, as for a HostPool; refused as there.
 template <class Cache>
 Result<std::vector<std::byte>> save_sequence(const Cache& cache, HostFp8Pool& pool, std::int32_t id, std::uint32_t dtype) {
-  if (has_window_storage(cache)) return Errc::bad_argument;  // its layers' rows live in several pools
-  const Result<std::vector<std::int32_t>> held = cache.held_positions(id);
+  const Result<std::vector<std::int32_t>> held = detail::final_held_positions(cache, id);
   if (!held.ok()) return held.status().code();
   const std::vector<std::int32_t>& positions = held.value();
   auto row_of = [&](std::size_t i) { return cache.row_of(id, positions[i]); };

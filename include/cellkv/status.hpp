@@ -53,7 +53,7 @@ enum class Errc : std::uint8_t {
   io_error,            // a state file could not be opened, read or written
   // device caches
   no_key_rotation,     // seq_add / seq_div on a device cache whose key rotation is not set
-  rows_pending,        // a device save/restore before the device holds a sequence's rows (gpu/sequence_state.cuh)
+  rows_pending,        // a save/restore before the pool holds a sequence's rows (sequence_state.hpp, gpu/sequence_state.cuh)
   upload_incomplete,   // a verb that could change the pending copies or re-rotations while a device
                        // applied part of them (a failed or partial upload)
   missing_step_kernels,  // a replayed graph lacks an attention kernel the step needs (gpu/graph_scope.hpp)
@@ -107,8 +107,8 @@ enum class Errc : std::uint8_t {
       return "no key rotation: seq_add / seq_div move cells whose K must be re-rotated; set the device cache's key "
              "rotation first (set_key_rotation: RoPE, a caller kernel, or none)";
     case Errc::rows_pending:
-      return "rows pending: the device does not hold the sequence's rows yet (a step writing it is not committed, or "
-             "row copies or K re-rotations wait for the next upload)";
+      return "rows pending: the pool does not hold the sequence's rows yet (a step writing it is not committed, or "
+             "row copies or K re-rotations wait for the next upload or HostPool::sync)";
     case Errc::upload_incomplete:
       return "upload incomplete: a device applied part of the pending copies and key re-rotations (a failed or partial "
              "upload); upload the placed step on every device before a verb that could change them";

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cellkv/kv_cache.hpp"
@@ -216,6 +217,70 @@ TEST_CASE("state: malformed input is refused naming the reason, changing nothing
     REQUIRE(ids.seq_new().ok());
     check_refused(ids, ipool, bytes, Errc::no_free_sequence);
   }
+}
+
+namespace {
+
+// A cache whose sequence a holds positions 0..3 in a synced pool, and b = a clone of a moved one
+// position on by seq_add: b's cells are copies on write whose copies and K re-rotations wait for
+// the pool's sync. (The sequence layout: b a fork of a, its rows a pending copy.)
+template <class Cache>
+constexpr bool kCells = std::is_same_v<typename Cache::Layout, layout::cell>;
+
+template <class Cache>
+struct PendingRows {
+  Cache cache{kCells<Cache> ? CacheConfig{.max_write = 8, .max_cells = 40}
+                            : CacheConfig{.max_write = 8, .max_seqs = 4, .max_len = 10}};
+  HostPool<float> pool = filled_pool(40);
+  std::int32_t a = -1, b = -1;
+  PendingRows() {
+    a = cache.seq_new().value();
+    REQUIRE(test::declare(cache, {a, a, a, a}).ok());
+    REQUIRE(pool.sync_keys_without_position(cache).ok());
+    b = cache.seq_clone(a).value();
+    if constexpr (kCells<Cache>) REQUIRE(cache.seq_add(b, 0, -1, 1).ok());
+    REQUIRE(!cache.pending_changes().copies.empty());
+  }
+};
+
+template <class Cache>
+void waits_for_pending_rows() {
+  PendingRows<Cache> src;
+  const auto state_of_a = save_sequence(src.cache, src.pool, src.a, kF32);  // a's rows are no copy's target
+  REQUIRE(state_of_a.ok());
+  const Cache before = src.cache;
+  CHECK(save_sequence(src.cache, src.pool, src.b, kF32).status() == Errc::rows_pending);
+  CHECK(src.cache == before);
+  // A fresh row of a restore could be a pending copy's source.
+  check_refused(src.cache, src.pool, state_of_a.value(), Errc::rows_pending);
+  REQUIRE(src.pool.sync_keys_without_position(src.cache).ok());
+  const auto state_of_b = save_sequence(src.cache, src.pool, src.b, kF32);
+  REQUIRE(state_of_b.ok());
+  const std::int32_t shift = kCells<Cache> ? 1 : 0;
+  for (std::int32_t p = 0; p < 4; ++p)  // b's rows are a's, once the copies ran
+    CHECK(rows_at(src.cache, src.pool, src.b, p + shift) == rows_at(src.cache, src.pool, src.a, p));
+  const std::int32_t restored = restore_sequence(src.cache, src.pool, state_of_b.value(), kF32).value();
+  for (std::int32_t p = shift; p < 4 + shift; ++p)
+    CHECK(rows_at(src.cache, src.pool, restored, p) == rows_at(src.cache, src.pool, src.b, p));
+}
+
+}  // namespace
+
+TEST_CASE("state: save and restore wait for pending row copies and K re-rotations (rows_pending), changing nothing") {
+  SUBCASE("cell layout: a clone's copies on write") { waits_for_pending_rows<Lowest>(); }
+  SUBCASE("sequence layout: a fork's copy") { waits_for_pending_rows<Slots>(); }
+}
+
+TEST_CASE("state: a position of INT32_MAX is refused as corrupt, with no overflow") {
+  const StateShape shape = state_shape<Lowest>(filled_pool(1), kF32);
+  const std::vector<float> row(kHeads * kDim, 1.0F);
+  auto any_row = [&](std::int32_t, std::int32_t, std::size_t) { return reinterpret_cast<const std::byte*>(row.data()); };
+  const std::vector<std::int32_t> last{0, INT32_MAX};
+  const auto bytes = encode_state(shape, last, any_row);
+  CHECK(parse_state(bytes, shape, 1 << 20, INT32_MAX).status() == Errc::state_corrupt);
+  Lowest dst({.max_write = 8, .max_cells = 40});
+  HostPool<float> pool = filled_pool(40);
+  check_refused(dst, pool, bytes, Errc::state_corrupt);
 }
 
 TEST_CASE("state: files") {

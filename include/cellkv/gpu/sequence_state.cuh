@@ -301,16 +301,7 @@ Status check_rows_final(const Host& host, std::span<const StateSlice<Shard>> sli
     if (writes_id && !committed) return Errc::rows_pending;
   }
   if (changes_uploaded(host, slices)) return {};
-  const PendingChanges pending = host.pending_changes();
-  auto held = [&](std::int64_t first, std::int64_t count) {  // any row of [first, first + count) in rows
-    const auto it = std::lower_bound(rows.begin(), rows.end(), first);
-    return it != rows.end() && *it < first + count;
-  };
-  for (const RowCopy& c : pending.copies)
-    if (held(c.dst_row, c.rows)) return Errc::rows_pending;
-  for (const RowRotation& r : pending.rotations)
-    if (held(r.cell, 1)) return Errc::rows_pending;
-  return {};
+  return cellkv::detail::rows_pending(host.pending_changes(), rows) ? Status{Errc::rows_pending} : Status{};
 }
 
 template <class Cache, class Shard>
