@@ -37,6 +37,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "cellkv/detail/bounded_push.hpp"
 #include "cellkv/position_table_view.hpp"
 
 namespace cellkv {
@@ -320,7 +321,7 @@ class PositionTable {
     flat_[i] = value;
     if (changed_flag_[i] != 0) return;
     changed_flag_[i] = 1;
-    changed_.push_back(static_cast<std::int32_t>(i));
+    detail::push_within(changed_, static_cast<std::int32_t>(i), flat_.size());  // each index listed once
   }
   void set_dir(std::int32_t seq, std::int32_t k, std::int32_t page) { set(dir_entry(seq, k), page); }
 

@@ -55,9 +55,10 @@ class KVCache<layout::cell, W, P, MaxSeqs>
   explicit KVCache(const CacheConfig& config)
       : Base(config), main_(this->config().max_cells, this->config().max_seqs, this->config().max_cells) {
     const CacheConfig& c = this->config();
-    if (c.window_cells > 0)
-      for ([[maybe_unused]] const std::int32_t w : W::kWindowed)
-        windows_.emplace_back(c.window_cells, c.max_seqs, c.max_cells);
+    if (c.window_cells > 0) {
+      windows_.reserve(W::kWindowed.size());  // no reallocation: layout_host_bytes counts each pool once
+      for ([[maybe_unused]] const std::int32_t w : W::kWindowed) windows_.emplace_back(c.window_cells, c.max_seqs, c.max_cells);
+    }
     step_window_rows_.assign(windows_.size() * static_cast<std::size_t>(c.max_write), 0);
     window_read_len_.assign(windows_.size(), 0);
   }
@@ -132,13 +133,15 @@ class KVCache<layout::cell, W, P, MaxSeqs>
         c.window_cells == 0 || PositionTable::flat_size(c.max_seqs, c.window_cells, c.max_cells) <= detail::kInt32Max;
     return windows_fit ? Status{} : Status{Errc::size_overflow};
   }
-  // The main pool and each window pool (CellPool::host_bytes), and the window pools' step rows.
-  // `c` passed validate_rows.
+  // The main pool's allocations (CellPool::host_bytes; the object is in the cache's) and each window
+  // pool's, its object too (held in windows_), and the window pools' step rows. `c` passed
+  // validate_rows.
   static std::size_t layout_host_bytes(const CacheConfig& c) {
     std::size_t bytes = Pool::host_bytes(c.max_cells, c.max_seqs, c.max_cells);
     if (c.window_cells > 0)
       bytes += static_cast<std::size_t>(W::kWindowedCount) *
-               (Pool::host_bytes(c.window_cells, c.max_seqs, c.max_cells) + static_cast<std::size_t>(c.max_write) * 8 + 8);
+               (sizeof(Pool) + Pool::host_bytes(c.window_cells, c.max_seqs, c.max_cells) +
+                static_cast<std::size_t>(c.max_write) * 8 + 8);
     return bytes;
   }
 

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cellkv/detail/bitmap.hpp"
+#include "cellkv/detail/bounded_push.hpp"
 #include "cellkv/placement.hpp"
 #include "cellkv/position_table.hpp"
 #include "cellkv/seq_set.hpp"
@@ -434,7 +435,7 @@ class CellPool {
       ++changes_epoch_;
     } else {
       rotation_at_[static_cast<std::size_t>(c)] = static_cast<std::int32_t>(rotations_.size());
-      rotations_.push_back(RowRotation{c, encoded, q});
+      push_within(rotations_, RowRotation{c, encoded, q}, cell_pos_.size());  // a cell at most once
       ++changes_epoch_;
     }
   }
