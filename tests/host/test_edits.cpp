@@ -8,9 +8,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cellkv/kv_cache.hpp"
+#include "cellkv/placement/clustered.hpp"
 #include "support.hpp"
 
 namespace {
@@ -268,6 +270,57 @@ TEST_CASE("seq_keep removes every other sequence; shared cells stay with the kep
   REQUIRE(slots.seq_keep(s).ok());
   CHECK(slots.live_count() == 1);
   CHECK(slots.free_cells() == slots.capacity() - 4);
+}
+
+namespace {
+
+// Every live sequence's held positions and the cell of each.
+template <class Cache>
+std::vector<std::pair<std::int32_t, std::int32_t>> holdings(const Cache& cache) {
+  std::vector<std::pair<std::int32_t, std::int32_t>> out;
+  for (std::int32_t id = 0; id < 8; ++id)
+    if (const auto held = cache.held_positions(id); held.ok())
+      for (const std::int32_t p : held.value()) out.emplace_back(id, cache.cell_of(id, p));
+  return out;
+}
+
+// Edits of an empty range (or of one clipped to nothing) on a (of `length` tokens) and a fork of
+// it, which shares a's cells: each succeeds, every sequence keeps its positions and cells, nothing
+// is pending, and the next step still places (the placement heard of the edits).
+template <class Cache>
+void empty_ranges_keep_positions(Cache cache, std::int32_t length) {
+  const std::int32_t a = filled(cache, length);
+  const std::int32_t fork = cache.seq_clone(a).value();
+  const std::int32_t other = filled(cache, 2);
+  cache.acknowledge_changes();
+  const auto before = holdings(cache);
+  CHECK(cache.seq_rm(fork, 1, 1).ok());
+  CHECK(cache.seq_rm(fork, 2, 1).ok());              // reversed
+  CHECK(cache.seq_rm(fork, length + 3, kEnd).ok());  // past the end: clipped to nothing
+  CHECK(cache.seq_cp(other, fork, 5, kEnd).ok());
+  CHECK(cache.seq_add(fork, 3, 3, 2).ok());
+  CHECK(cache.seq_add(a, length, kEnd, -1).ok());
+  CHECK(cache.seq_div(fork, 0, 0, 2).ok());
+  CHECK(cache.rewind(fork, cache.pos(fork).value()).ok());
+  CHECK(holdings(cache) == before);
+  CHECK(cache.pos(fork).value() == length);
+  CHECK(cache.pending_changes().copies.empty());
+  CHECK(cache.pending_changes().rotations.empty());
+  CHECK(test::declare(cache, {fork, a}).ok());
+}
+
+}  // namespace
+
+TEST_CASE("edits of an empty range keep every sequence's positions and cells") {
+  SUBCASE("clustered placement") {
+    empty_ranges_keep_positions(CellCache<Windows<0, 3>, placement::clustered<4>, 8>({.max_write = 8, .max_cells = 64}),
+                                6);
+  }
+  SUBCASE("window storage") {
+    empty_ranges_keep_positions(CellCache<Windows<0, 16>, placement::lowest_free, 8>(
+                                    {.max_write = 64, .max_cells = 1024, .window_cells = 512}),
+                                164);
+  }
 }
 
 TEST_CASE("seq_add: a context shift moves cells in place and lists their re-rotation") {

@@ -204,7 +204,8 @@ class Executor {
 
   // The cache's refusal of a step, naming the first session whose tokens do not fit: for
   // out_of_cells the session of the first token past the free cells, for sequence_full the first
-  // session whose sequence would pass max_len.
+  // session whose sequence would pass the layout's position limit (max_len; on the cell layout
+  // max_cells rounded up to whole table pages).
   SessionStatus name_refusal(const StepBatch& b, Status why) const {
     const auto& host = detail::queries_of(cache_);
     SessionId who = 0;
@@ -218,11 +219,11 @@ class Executor {
           }
       }
     } else if (why == Errc::sequence_full) {
-      if constexpr (requires { host.pos(0); host.config().max_len; }) {
+      if constexpr (requires { host.pos(0); host.position_limit(); }) {
         std::int32_t begin = 0;
         for (const LogitRow& r : b.logit_rows) {
           const std::int32_t seq = b.seqs[static_cast<std::size_t>(r.row)];
-          if (host.pos(seq).value_or(0) + (r.row + 1 - begin) > host.config().max_len) {
+          if (host.pos(seq).value_or(0) + (r.row + 1 - begin) > host.position_limit()) {
             who = r.session;
             break;
           }

@@ -164,7 +164,8 @@ class CacheCommon {
   // ---- sequence edits (docs/design.md section 4, "Sequence edits") ----
   //
   // Ranges are [p0, p1): p0 < 0 means 0, p1 < 0 means no end; an empty range is a successful
-  // no-op. Refusals, in this order: the ids (bad_sequence_id, sequence_not_live), the arguments
+  // no-op for every sequence's positions and cells (the placement and the window pools still hear
+  // of the edit: docs/design.md, "Sequence edits"). Refusals, in this order: the ids (bad_sequence_id, sequence_not_live), the arguments
   // (bad_argument), the layout (unsupported_by_layout), the result (sequence_full: a position
   // past the layout's limit; position_collision), then resources (out_of_cells, out_of_pages).
 
