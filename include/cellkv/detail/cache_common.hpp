@@ -165,9 +165,10 @@ class CacheCommon {
   //
   // Ranges are [p0, p1): p0 < 0 means 0, p1 < 0 means no end; an empty range is a successful
   // no-op for every sequence's positions and cells (the placement and the window pools still hear
-  // of the edit: docs/design.md, "Sequence edits"). Refusals, in this order: the ids (bad_sequence_id, sequence_not_live), the arguments
-  // (bad_argument), the layout (unsupported_by_layout), the result (sequence_full: a position
-  // past the layout's limit; position_collision), then resources (out_of_cells, out_of_pages).
+  // of the edit: docs/design.md, "Sequence edits"). Refusals, in this order: the ids
+  // (bad_sequence_id, sequence_not_live), the arguments (bad_argument), the layout
+  // (unsupported_by_layout), the result (sequence_full: a position past the layout's limit;
+  // position_collision), then resources (out_of_cells, out_of_pages).
 
   // Removes the positions [p0, p1) the sequence holds; holes stay, pos(id) becomes one past the
   // highest position left. The sequence layout removes only a suffix (p1 past the last position).

@@ -57,7 +57,8 @@ class KVCache<layout::cell, W, P, MaxSeqs>
     const CacheConfig& c = this->config();
     if (c.window_cells > 0) {
       windows_.reserve(W::kWindowed.size());  // no reallocation: layout_host_bytes counts each pool once
-      for ([[maybe_unused]] const std::int32_t w : W::kWindowed) windows_.emplace_back(c.window_cells, c.max_seqs, c.max_cells);
+      for ([[maybe_unused]] const std::int32_t w : W::kWindowed)
+        windows_.emplace_back(c.window_cells, c.max_seqs, c.max_cells);
     }
     step_window_rows_.assign(windows_.size() * static_cast<std::size_t>(c.max_write), 0);
     window_read_len_.assign(windows_.size(), 0);
