@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <new>
 #include <vector>
@@ -24,19 +25,25 @@ std::size_t g_live = 0;
 bool g_counting = false;
 constexpr std::size_t kHeader = 16;  // the size of each block, before it (keeps 16-byte alignment)
 
+// The block before a pointer operator new handed out (through an integer: the compiler's bounds
+// analysis would read p - kHeader as outside the object p points to).
+void* block_of(void* p) { return reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(p) - kHeader); }
+
 }  // namespace
 
 void* operator new(std::size_t n) {
-  void* p = std::malloc(n + kHeader);
-  if (p == nullptr) throw std::bad_alloc();
-  *static_cast<std::size_t*>(p) = n;
+  void* block = std::malloc(n + kHeader);
+  if (block == nullptr) throw std::bad_alloc();
+  std::memcpy(block, &n, sizeof n);
   if (g_counting) g_live += n;
-  return static_cast<char*>(p) + kHeader;
+  return static_cast<char*>(block) + kHeader;
 }
 void operator delete(void* p) noexcept {
   if (p == nullptr) return;
-  char* block = static_cast<char*>(p) - kHeader;
-  if (g_counting) g_live -= *reinterpret_cast<std::size_t*>(block);
+  void* block = block_of(p);
+  std::size_t n = 0;
+  std::memcpy(&n, block, sizeof n);
+  if (g_counting) g_live -= n;
   std::free(block);
 }
 void operator delete(void* p, std::size_t) noexcept { operator delete(p); }
