@@ -73,8 +73,11 @@ void attend(std::span<const T> q, PoolView<const T> pool, std::span<T> out, std:
         const T* vc = pool.v + pool.offset(seen[i], hk);
         for (std::int32_t d = 0; d < D; ++d) acc[static_cast<std::size_t>(d)] += p * static_cast<Acc>(vc[d]);
       }
+      // Zeros only when nothing is seen: a NaN score (a NaN in q or K) makes sum NaN, and the
+      // output NaN, rather than zeros that would hide it.
       T* o = out.data() + (t * heads_q + h) * D;
-      for (std::int32_t d = 0; d < D; ++d) o[d] = sum > 0 ? static_cast<T>(acc[static_cast<std::size_t>(d)] / sum) : T{};
+      for (std::int32_t d = 0; d < D; ++d)
+        o[d] = seen.empty() ? T{} : static_cast<T>(acc[static_cast<std::size_t>(d)] / sum);
     }
   }
 }

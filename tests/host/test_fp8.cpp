@@ -411,6 +411,82 @@ TEST_CASE("fp8 reference: a NaN in one row's K reaches only the queries that see
   for (std::size_t i = 8; i < 16; ++i) CHECK(out[i] == doctest::Approx(2.0).epsilon(1e-6));  // b's do not see it
 }
 
+TEST_CASE("fp8 reference: attend over NaN codes against a brute-force float64 softmax of formula(code) x scale") {
+  // Rows 0..3, H_kv 2, D 4, H_q 4 (group 2). Row 1 head 0 holds a NaN K code, row 2 head 1 a NaN V
+  // code. reference.hpp: a row-head that holds NaN codes gives NaN to the queries that see it; a
+  // query that sees nothing gets zeros. The oracle is plain IEEE float64 softmax (no guard but the
+  // empty one), computed from the codes by the format's formula.
+  constexpr std::int32_t kHkv = 2, kD = 4, kHq = 4, kRows = 4, kTokens = 5;
+  HostFp8Pool pool(1, kRows, kHkv, kD);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> k(kRows * kHkv * kD), v(k.size());
+  for (float& e : k) e = normal(rng);
+  for (float& e : v) e = normal(rng);
+  k[(1 * kHkv + 0) * kD + 2] = kNaN;
+  v[(2 * kHkv + 1) * kD + 1] = kNaN;
+  const std::vector<std::int64_t> rows{0, 1, 2, 3};
+  REQUIRE(reference::write(pool.view(0), k, v, rows).ok());
+  std::vector<double> q(kTokens * kHq * kD);
+  for (double& e : q) e = normal(rng);
+  // Token t sees rows [t - 1, t] within [0, 4) (token 0: row 0 only; token 4: row 3 only) but
+  // token 2 sees nothing.
+  const auto visible = [](std::int32_t t, std::int64_t row) { return t != 2 && (row == t || row == t - 1); };
+  std::vector<double> out(q.size(), -7.0);
+  const float scale = 0.5f;
+  reference::attend(std::span<const double>(q), pool.view(0).read_only(), std::span<double>(out), kHq, kRows, scale,
+                    visible);
+  const auto view = std::as_const(pool).view(0);
+  const auto value = [&](bool of_v, std::int64_t r, std::int32_t h, std::int32_t d) {
+    const Fp8E4M3* codes = of_v ? view.v : view.k;
+    const float s = (of_v ? view.v_scale : view.k_scale)[view.scale_offset(r, h)];
+    return formula(codes[view.offset(r, h) + d].code) * static_cast<double>(s);
+  };
+  std::size_t nan_rows = 0;
+  for (std::int32_t t = 0; t < kTokens; ++t)
+    for (std::int32_t h = 0; h < kHq; ++h) {
+      CAPTURE(t);
+      CAPTURE(h);
+      const std::int32_t hk = h / (kHq / kHkv);
+      std::vector<std::int64_t> seen;
+      for (std::int64_t r = 0; r < kRows; ++r)
+        if (visible(t, r)) seen.push_back(r);
+      std::vector<double> want(kD, 0.0);
+      if (!seen.empty()) {
+        std::vector<double> s;
+        for (const std::int64_t r : seen) {
+          double dot = 0;
+          for (std::int32_t d = 0; d < kD; ++d)
+            dot += q[static_cast<std::size_t>((t * kHq + h) * kD + d)] * value(false, r, hk, d);
+          s.push_back(dot * scale);
+        }
+        double m = -kInf;  // the largest score, NaN if any is NaN
+        for (const double e : s) m = std::isnan(e) || std::isnan(m) ? std::nan("") : std::max(m, e);
+        double sum = 0;
+        for (std::size_t i = 0; i < seen.size(); ++i) {
+          const double p = std::exp(s[i] - m);
+          sum += p;
+          for (std::int32_t d = 0; d < kD; ++d) want[static_cast<std::size_t>(d)] += p * value(true, seen[i], hk, d);
+        }
+        for (double& w : want) w /= sum;
+      }
+      bool any_nan = false;
+      for (std::int32_t d = 0; d < kD; ++d) {
+        CAPTURE(d);
+        const double got = out[static_cast<std::size_t>((t * kHq + h) * kD + d)], w = want[static_cast<std::size_t>(d)];
+        any_nan = any_nan || std::isnan(w);
+        if (std::isnan(w))
+          CHECK(std::isnan(got));
+        else
+          CHECK(got == doctest::Approx(w).epsilon(1e-12));
+      }
+      nan_rows += any_nan ? 1 : 0;
+    }
+  // The oracle's NaNs: token 1 sees row 1 (NaN K of KV head 0: every element of query heads 0, 1);
+  // token 3 sees row 2 (NaN V of KV head 1: element 1 of query heads 2, 3).
+  CHECK(nan_rows == 4);
+}
+
 TEST_CASE("fp8 reference: update_and_attend refuses as the element path does, writing nothing") {
   using Cache = KVCache<layout::cell, Windows<0>>;
   Cache cache(CacheConfig{4, 16, 4, 16});
