@@ -295,7 +295,7 @@ int launch(const Options& o) {
                                  std::string("--rendezvous"), spec})
       args.push_back(a);
     return args;
-  }, std::chrono::milliseconds(o.timeout_ms + 5000));
+  }, std::chrono::milliseconds(std::int64_t{o.timeout_ms} + 5000));
   if (!dir.empty()) std::filesystem::remove_all(dir);
   bool ok = true;
   for (const llama::RankExit& e : exits) {

@@ -46,13 +46,22 @@ struct RankExit {
 };
 
 // Runs ranks 0 .. ranks - 1 as above and returns how each ended, in rank order. Throws
-// std::invalid_argument unless 1 <= ranks <= 64, std::runtime_error when a process cannot be
-// started (the ranks already started are killed and reaped first). A rank whose exec fails exits 127.
+// std::invalid_argument unless 1 <= ranks <= 64, std::runtime_error when SIGCHLD is ignored (the
+// ranks' exit statuses could not be collected; nothing is started) or a process cannot be started;
+// that, and any exception from args, passes on only after the ranks already started are killed and
+// reaped. A rank whose exec fails exits 127.
 inline std::vector<RankExit> launch_ranks(const std::string& program, std::int32_t ranks,
                                           const std::function<std::vector<std::string>(std::int32_t)>& args,
                                           std::chrono::milliseconds grace) {
   if (ranks < 1 || ranks > 64) throw std::invalid_argument("llama::launch_ranks: 1 to 64 ranks");
+  // With SIGCHLD ignored (or SA_NOCLDWAIT) the kernel reaps the ranks itself and waitpid never
+  // returns them: the loop below would wait forever.
+  struct sigaction chld {};
+  if (sigaction(SIGCHLD, nullptr, &chld) == 0 && (chld.sa_handler == SIG_IGN || (chld.sa_flags & SA_NOCLDWAIT) != 0))
+    throw std::runtime_error("llama::launch_ranks: SIGCHLD is ignored, so the ranks' exit statuses cannot be "
+                             "collected");
   std::vector<pid_t> pids;
+  pids.reserve(static_cast<std::size_t>(ranks));
   std::vector<RankExit> exits(static_cast<std::size_t>(ranks));
   auto kill_all = [&] {
     for (const pid_t p : pids) {
@@ -61,11 +70,17 @@ inline std::vector<RankExit> launch_ranks(const std::string& program, std::int32
     }
   };
   for (std::int32_t r = 0; r < ranks; ++r) {
-    std::vector<std::string> a = args(r);
-    a.insert(a.begin(), program);
+    std::vector<std::string> a;
     std::vector<char*> argv;
-    for (std::string& s : a) argv.push_back(s.data());
-    argv.push_back(nullptr);
+    try {
+      a = args(r);
+      a.insert(a.begin(), program);
+      for (std::string& s : a) argv.push_back(s.data());
+      argv.push_back(nullptr);
+    } catch (...) {
+      kill_all();
+      throw;
+    }
     std::fflush(nullptr);  // nothing buffered is written twice
     const pid_t pid = fork();
     if (pid < 0) {

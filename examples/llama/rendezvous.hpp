@@ -2,9 +2,10 @@
 // publishes a few bytes under a name (NCCL's unique id, a CUDA IPC handle) and the others fetch
 // them, through nothing beyond what the machines already have. A spec names the way:
 //   file:DIR        a directory every rank can read (one machine, or a file system the machines
-//                   share). A value is written to a temporary file and renamed into place, so a
-//                   reader never sees part of one. Give each job an empty directory: publishing a
-//                   name that is already there is refused (a previous job's value).
+//                   share, with hard links). A value is written to a temporary file and linked into
+//                   place, so a reader never sees part of one. Give each job an empty directory:
+//                   publishing a name that is already there is refused (a previous job's value, or
+//                   another publisher's that got there first).
 //   env             values handed down in the environment, as hex in CELLKV_TP_<NAME> (NAME upper-
 //                   cased, '-' as '_'): a launcher publishes before it starts its ranks, which
 //                   inherit them (cellkv-tp-demo --ranks G hands NCCL's id down this way).
@@ -14,8 +15,10 @@
 // Names are 1 to 64 characters of [A-Za-z0-9_-].
 #pragma once
 
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -91,16 +94,30 @@ class Rendezvous {
       return;
     }
     const std::string path = where_ + "/" + std::string(name);
-    if (access(path.c_str(), F_OK) == 0)
-      throw std::runtime_error("llama::Rendezvous: " + path + " exists already (a previous job's? use an empty directory)");
-    const std::string temporary = path + ".part." + std::to_string(getpid());
-    std::FILE* f = std::fopen(temporary.c_str(), "wb");
-    if (f == nullptr) throw std::runtime_error("llama::Rendezvous: cannot write " + temporary);
-    const bool written = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-    if (std::fclose(f) != 0 || !written || std::rename(temporary.c_str(), path.c_str()) != 0) {
-      (void)std::remove(temporary.c_str());
-      throw std::runtime_error("llama::Rendezvous: cannot publish " + path);
+    auto exists_already = [&] {
+      return std::runtime_error("llama::Rendezvous: " + path +
+                                " exists already (a previous job's? use an empty directory)");
+    };
+    if (access(path.c_str(), F_OK) == 0) throw exists_already();
+    // A temporary of its own (mkstemp: no other publisher, thread or machine writes it), then
+    // link(2) into place: unlike rename it fails when the name exists, so of publishers racing for
+    // a name exactly one succeeds and the value never changes once published.
+    std::string temporary = path + ".part.XXXXXX";
+    const int fd = mkstemp(temporary.data());
+    if (fd < 0) throw std::runtime_error("llama::Rendezvous: cannot write " + temporary);
+    (void)fchmod(fd, 0644);  // readable as a file fopen made would be, not mkstemp's 0600
+    bool written = true;
+    for (std::size_t done = 0; written && done < bytes.size();) {
+      const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
+      if (n > 0) done += static_cast<std::size_t>(n);
+      else written = n < 0 && errno == EINTR;
     }
+    written = close(fd) == 0 && written;
+    const bool linked = written && link(temporary.c_str(), path.c_str()) == 0;
+    const int link_error = errno;
+    (void)unlink(temporary.c_str());
+    if (!linked && written && link_error == EEXIST) throw exists_already();
+    if (!linked) throw std::runtime_error("llama::Rendezvous: cannot publish " + path);
   }
 
   // The `size` bytes published under `name`, waiting up to `timeout` for them (file). Throws

@@ -1,18 +1,24 @@
 // Starting tensor-parallel ranks as processes, on the host: the rendezvous (file:DIR values appear
-// whole or not at all, a second publish of a name is refused, a missing value times out; env values
-// round-trip as hex; tcp carries nothing itself; bad specs and names are refused), the rank and
-// world a job launcher's environment describes (Open MPI, Slurm, PMI; malformed or inconsistent
-// values refused), and the launcher, run over /bin/sh children whose exits are known in advance:
-// every exit status and signal reported per rank, a rank still running after another failed
-// killed once the grace period ends, a program that cannot be executed reported as exit 127.
+// whole or not at all, a second publish of a name is refused, also between processes publishing at
+// once, a missing value times out; env values round-trip as hex; tcp carries nothing itself; bad
+// specs and names are refused), the rank and world a job launcher's environment describes (Open
+// MPI, Slurm, PMI; malformed or inconsistent values refused), and the launcher, run over /bin/sh
+// children whose exits are known in advance: every exit status and signal reported per rank, a rank
+// still running after another failed killed once the grace period ends, a program that cannot be
+// executed reported as exit 127, no rank left running when args throws, and ignored SIGCHLD refused.
 #include <doctest/doctest.h>
 
+#include <signal.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstddef>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <string>
 #include <thread>
@@ -212,4 +218,111 @@ TEST_CASE("launcher: ranks that all succeed are all waited for; bad counts and p
   auto none = [](std::int32_t) { return std::vector<std::string>{}; };
   CHECK_THROWS_AS((void)llama::launch_ranks("/bin/true", 0, none, 0ms), std::invalid_argument);
   CHECK_THROWS_AS((void)llama::launch_ranks("/bin/true", 65, none, 0ms), std::invalid_argument);
+}
+
+TEST_CASE("rendezvous: of processes publishing one file:DIR name at once, exactly one succeeds, with its value") {
+  // The oracle is the contract: a name already published is refused, so of kProcs publishers
+  // released together exactly one returns, the others throw, and the file holds the winner's bytes.
+  constexpr int kProcs = 6, kRounds = 30;
+  int rounds_not_one_winner = 0, rounds_wrong_value = 0, rounds_with_leftovers = 0;
+  auto value_of = [](int k) { return bytes_of("the value of publisher " + std::to_string(k)); };  // one length
+  for (int round = 0; round < kRounds; ++round) {
+    const TempDir dir;
+    const llama::Rendezvous r("file:" + dir.path.string());
+    int gate[2];
+    REQUIRE(pipe(gate) == 0);
+    std::vector<pid_t> publishers;
+    std::fflush(nullptr);  // nothing buffered is written again by a child
+    for (int k = 0; k < kProcs; ++k) {
+      const pid_t pid = fork();
+      REQUIRE(pid >= 0);
+      if (pid == 0) {
+        (void)close(gate[1]);
+        char c = 0;
+        (void)!read(gate[0], &c, 1);  // end of file once the parent closes its end: all start together
+        try {
+          r.publish("nccl-id", value_of(k));
+        } catch (const std::runtime_error&) {
+          _exit(1);
+        } catch (...) {
+          _exit(2);
+        }
+        _exit(0);
+      }
+      publishers.push_back(pid);
+    }
+    (void)close(gate[0]);
+    (void)close(gate[1]);
+    int winners = 0, winner = -1;
+    for (int k = 0; k < kProcs; ++k) {
+      int status = 0;
+      REQUIRE(waitpid(publishers[static_cast<std::size_t>(k)], &status, 0) == publishers[static_cast<std::size_t>(k)]);
+      REQUIRE(WIFEXITED(status));
+      REQUIRE(WEXITSTATUS(status) != 2);
+      if (WEXITSTATUS(status) == 0) ++winners, winner = k;
+    }
+    if (winners != 1) ++rounds_not_one_winner;
+    if (winner >= 0 && r.fetch("nccl-id", value_of(winner).size(), 0ms) != value_of(winner)) ++rounds_wrong_value;
+    if (std::distance(std::filesystem::directory_iterator(dir.path), std::filesystem::directory_iterator{}) != 1)
+      ++rounds_with_leftovers;
+  }
+  CHECK(rounds_not_one_winner == 0);
+  CHECK(rounds_wrong_value == 0);
+  CHECK(rounds_with_leftovers == 0);
+}
+
+TEST_CASE("launcher: an exception from args passes on only after the ranks already started are killed and reaped") {
+  const TempDir dir;
+  auto pid_file = [&](std::int32_t r) { return dir.path / ("pid" + std::to_string(r)); };
+  auto pid_of = [&](std::int32_t r) -> pid_t {
+    std::ifstream f(pid_file(r));
+    long pid = 0;
+    return (f >> pid) ? static_cast<pid_t>(pid) : 0;
+  };
+  CHECK_THROWS_AS((void)llama::launch_ranks("/bin/sh", 3, [&](std::int32_t r) {
+    if (r == 2) {  // once ranks 0 and 1 run (and said which processes they are)
+      const auto deadline = std::chrono::steady_clock::now() + 10s;
+      while ((pid_of(0) == 0 || pid_of(1) == 0) && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::sleep_for(5ms);
+      throw std::runtime_error("no arguments for rank 2");
+    }
+    const std::string file = pid_file(r).string();
+    return std::vector<std::string>{"-c",
+                                    "echo $$ > " + file + ".part && mv " + file + ".part " + file + "; exec sleep 600"};
+  }, 0ms), std::runtime_error);
+  for (std::int32_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    const pid_t pid = pid_of(r);
+    REQUIRE(pid > 0);
+    // Gone, not even a zombie: kill(pid, 0) fails with ESRCH.
+    const bool gone = kill(pid, 0) == -1 && errno == ESRCH;
+    CHECK(gone);
+    if (!gone) {  // left running by the launcher: end it here
+      (void)kill(pid, SIGKILL);
+      (void)waitpid(pid, nullptr, 0);
+    }
+  }
+}
+
+TEST_CASE("launcher: with SIGCHLD ignored (no exit status to collect) it refuses at once instead of waiting forever") {
+  std::fflush(nullptr);  // nothing buffered is written again by the child
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {  // a process of its own, so the disposition changes nothing of the test runner's
+    (void)signal(SIGCHLD, SIG_IGN);
+    (void)alarm(5);  // a launcher that waits forever dies of SIGALRM
+    try {
+      auto exit_0 = [](std::int32_t) { return std::vector<std::string>{"-c", "exit 0"}; };
+      (void)llama::launch_ranks("/bin/sh", 2, exit_0, 0ms);
+    } catch (const std::runtime_error&) {
+      _exit(0);
+    } catch (...) {
+      _exit(2);
+    }
+    _exit(1);
+  }
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }
