@@ -2,11 +2,18 @@
 // key RoPE'd directly at new_pos by an independent float64 RoPE written from the definition
 // (pairs, frequencies, linear and NTK scaling), for half-split and interleaved pairs, partial
 // rotary dims (the other elements untouched), several heads and rows, in double and float pools;
-// V is never touched. check_rope refuses what it documents.
+// V is never touched. check_rope refuses what it documents. Random edit sequences (steps, seq_add,
+// seq_div, seq_rm, seq_cp, seq_clone, sequences added and removed, several edits between syncs):
+// after each HostPool::sync every held K row equals its token's key RoPE'd directly at the
+// position a brute-force model says it holds now.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <random>
 #include <vector>
 
 #include "cellkv/host_fp8_pool.hpp"
@@ -179,4 +186,130 @@ TEST_CASE("host pools refuse to drop pending K re-rotations unless told the keys
   CHECK(cache.changes_epoch() != epoch);
   CHECK(pool.sync(cache).ok());
   CHECK(fp8.sync(cache).ok());
+}
+
+namespace {
+
+// Which token each (sequence, position) holds, from the verbs' definitions alone.
+using HeldModel = std::map<std::int32_t, std::map<std::int32_t, std::int32_t>>;
+
+// The model's positions of `held` in [p0, p1) (p0 < 0: from 0; p1 < 0: to the end) moved by
+// `move`; positions moved below 0 are dropped, the others kept.
+template <class Move>
+void edit_range(std::map<std::int32_t, std::int32_t>& held, std::int32_t p0, std::int32_t p1, Move&& move) {
+  const std::int32_t lo = std::max(p0, 0), hi = p1 < 0 ? INT32_MAX : p1;
+  std::map<std::int32_t, std::int32_t> next;
+  for (const auto& [p, t] : held)
+    if (p < lo || p >= hi) next[p] = t;
+  for (const auto& [p, t] : held)
+    if (p >= lo && p < hi && move(p) >= 0) next[move(p)] = t;
+  held = std::move(next);
+}
+
+}  // namespace
+
+TEST_CASE("rope: after random edits and syncs every held K row equals its token RoPE'd at its position now") {
+  constexpr std::int32_t D = 8, kCells = 64;
+  const RopeSpec spec{.theta = 100.0, .pairs = RopePairs::interleaved};
+  const Direct direct{spec, D};
+  auto raw = [](std::int32_t token) {
+    std::vector<double> x(D);
+    for (std::int32_t e = 0; e < D; ++e) x[static_cast<std::size_t>(e)] = value(token, 0, e);
+    return x;
+  };
+  std::int64_t rotating_edits = 0;
+  for (std::uint32_t seed = 0; seed < 60; ++seed) {
+    CAPTURE(seed);
+    std::mt19937 rng(seed);
+    auto rnd = [&](std::int32_t lo, std::int32_t hi) { return std::uniform_int_distribution<std::int32_t>(lo, hi)(rng); };
+    KVCache<layout::cell, Windows<0>, placement::lowest_free, 4> cache({.max_write = 8, .max_cells = kCells, .max_seqs = 4});
+    HostPool<double> pool(1, kCells, 1, D);
+    HeldModel model;
+    std::int32_t next_token = 0;
+    auto verify = [&] {
+      REQUIRE(pool.sync(cache, spec).ok());
+      for (const auto& [s, held] : model) {
+        std::vector<std::int32_t> positions;
+        for (const auto& [p, t] : held) positions.push_back(p);
+        REQUIRE(cache.held_positions(s).value() == positions);
+        for (const auto& [p, t] : held) {
+          const std::vector<double> want = direct.at(raw(t), p);
+          const double* k = pool.view(0).k + cache.row_of(s, p) * D;
+          for (std::int32_t e = 0; e < D; ++e) CHECK(std::abs(k[e] - want[static_cast<std::size_t>(e)]) < 1e-9);
+        }
+      }
+    };
+    model[cache.seq_new().value()];
+    for (int op = 0; op < 60; ++op) {
+      std::vector<std::int32_t> live;
+      for (const auto& [s, held] : model) live.push_back(s);
+      if (live.empty()) {
+        model[cache.seq_new().value()];
+        continue;
+      }
+      const std::int32_t s = live[static_cast<std::size_t>(rnd(0, static_cast<std::int32_t>(live.size()) - 1))];
+      const std::int32_t len = cache.pos(s).value();
+      const std::int32_t p0 = rnd(-1, len), p1 = rnd(-1, len + 2);
+      switch (rnd(0, 9)) {
+        case 0: case 1: case 2: {  // a step of 1-4 tokens, each K written RoPE'd at its position
+          const auto plan = cache.declare_step(std::vector<std::int32_t>(static_cast<std::size_t>(rnd(1, 4)), s));
+          if (!plan.ok()) break;
+          REQUIRE(pool.sync(cache, spec).ok());
+          for (std::int32_t t = 0; t < plan.value().tokens; ++t) {
+            const std::int32_t token = next_token++, p = plan.value().positions[static_cast<std::size_t>(t)];
+            model[s][p] = token;
+            const std::vector<double> k = direct.at(raw(token), p);
+            std::copy(k.begin(), k.end(), pool.view(0).k + plan.value().rows[static_cast<std::size_t>(t)] * D);
+          }
+          break;
+        }
+        case 3: {
+          const std::int32_t delta = rnd(-20, 20);
+          if (!cache.seq_add(s, p0, p1, delta).ok()) break;
+          rotating_edits += cache.pending_changes().rotations.empty() ? 0 : 1;
+          edit_range(model[s], p0, p1, [&](std::int32_t p) { return p + delta; });
+          break;
+        }
+        case 4: {
+          const std::int32_t d = rnd(1, 4);
+          if (!cache.seq_div(s, p0, p1, d).ok()) break;
+          rotating_edits += cache.pending_changes().rotations.empty() ? 0 : 1;
+          edit_range(model[s], p0, p1, [&](std::int32_t p) { return p / d; });
+          break;
+        }
+        case 5:
+          if (cache.seq_rm(s, p0, p1).ok()) edit_range(model[s], p0, p1, [](std::int32_t) { return -1; });
+          break;
+        case 6:
+          if (const auto fork = cache.seq_clone(s, rnd(0, len)); fork.ok()) {
+            const std::int32_t upto = cache.pos(fork.value()).value();
+            auto& copy = model[fork.value()];
+            for (const auto& [p, t] : model[s])
+              if (p < upto) copy[p] = t;
+          }
+          break;
+        case 7: {
+          const std::int32_t d = live[static_cast<std::size_t>(rnd(0, static_cast<std::int32_t>(live.size()) - 1))];
+          if (!cache.seq_cp(s, d, p0, p1).ok()) break;
+          const std::map<std::int32_t, std::int32_t> from = model[s];
+          const std::int32_t lo = std::max(p0, 0), hi = p1 < 0 ? INT32_MAX : p1;
+          for (const auto& [p, t] : from)
+            if (p >= lo && p < hi) model[d][p] = t;
+          break;
+        }
+        case 8:
+          if (live.size() > 1 && rnd(0, 2) == 0) {
+            REQUIRE(cache.seq_rm(s).ok());
+            model.erase(s);
+          } else if (const auto fresh = cache.seq_new(); fresh.ok()) {
+            model[fresh.value()];
+          }
+          break;
+        default:
+          verify();
+      }
+    }
+    verify();
+  }
+  CHECK(rotating_edits > 50);  // the edits did leave rotations to sync
 }
