@@ -747,13 +747,18 @@ __device__ void merge_up(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, c
     const bool final = first == 0 && span * kMergeFanIn >= n;
     auto slot_of = [&](int i) { return part_slot(parts.first + first + i * span, c.begin, chunk); };
     if (members > 1) {
-      __threadfence();  // this part's writes before the count
+      // Every lane's partial stores are ordered before lane 0's release by the warp barrier (a
+      // device-scope release is cumulative, as in a grid sync); the last part in acquires the
+      // others' partials with the same read-modify-write and hands them to its lanes by the
+      // second barrier.
       __syncwarp();
       int last = 0;
       std::int32_t* count = a.merge_counts + static_cast<std::int64_t>(level) * a.slots + slot_of(0);
-      if (lane == 0) last = atomicAdd(count, 1) == members - 1;
+      if (lane == 0)
+        last = ::cuda::atomic_ref<std::int32_t, ::cuda::thread_scope_device>{*count}.fetch_add(
+                   1, ::cuda::memory_order_acq_rel) == members - 1;
       if (!__shfl_sync(0xffffffffu, last, 0)) return;
-      __threadfence();  // the other parts' writes before reading them
+      __syncwarp();
       if (lane == 0) *count = 0;
     }
     if (members > 1 || final) merge_parts<T, D>(a, p, members, slot_of, final, lane);
@@ -764,7 +769,7 @@ __device__ void merge_up(const DecodeArgs<T, Rows, S>& a, const PairCursor& c, c
 
 // Whether this part of the pair at `c` may merge the others in its registers: the pair's parts
 // merge in one level (at most kMergeFanIn) and every other part has counted itself in, so their
-// partials are visible (their fence and count, this acquire) and no part counts again. Then the
+// partials are visible (their release count, this acquire) and no part counts again. Then the
 // count returns to zero here. One round trip (lane 0's acquire load); every lane gets the answer.
 template <class T, class Rows, class S>
 __device__ bool others_all_in(const DecodeArgs<T, Rows, S>& a, const PartRange& parts, std::int64_t begin,
