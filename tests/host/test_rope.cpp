@@ -9,7 +9,6 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -193,16 +192,18 @@ namespace {
 // Which token each (sequence, position) holds, from the verbs' definitions alone.
 using HeldModel = std::map<std::int32_t, std::map<std::int32_t, std::int32_t>>;
 
-// The model's positions of `held` in [p0, p1) (p0 < 0: from 0; p1 < 0: to the end) moved by
-// `move`; positions moved below 0 are dropped, the others kept.
+// Whether position p lies in an edit's range [p0, p1) (p0 < 0: from 0; p1 < 0: to the end).
+bool in_range(std::int32_t p, std::int32_t p0, std::int32_t p1) { return p >= std::max(p0, 0) && (p1 < 0 || p < p1); }
+
+// The model's positions of `held` in [p0, p1) moved by `move`; positions moved below 0 are
+// dropped, the others kept.
 template <class Move>
 void edit_range(std::map<std::int32_t, std::int32_t>& held, std::int32_t p0, std::int32_t p1, Move&& move) {
-  const std::int32_t lo = std::max(p0, 0), hi = p1 < 0 ? INT32_MAX : p1;
   std::map<std::int32_t, std::int32_t> next;
   for (const auto& [p, t] : held)
-    if (p < lo || p >= hi) next[p] = t;
+    if (!in_range(p, p0, p1)) next[p] = t;
   for (const auto& [p, t] : held)
-    if (p >= lo && p < hi && move(p) >= 0) next[move(p)] = t;
+    if (in_range(p, p0, p1) && move(p) >= 0) next[move(p)] = t;
   held = std::move(next);
 }
 
@@ -292,9 +293,8 @@ TEST_CASE("rope: after random edits and syncs every held K row equals its token 
           const std::int32_t d = live[static_cast<std::size_t>(rnd(0, static_cast<std::int32_t>(live.size()) - 1))];
           if (!cache.seq_cp(s, d, p0, p1).ok()) break;
           const std::map<std::int32_t, std::int32_t> from = model[s];
-          const std::int32_t lo = std::max(p0, 0), hi = p1 < 0 ? INT32_MAX : p1;
           for (const auto& [p, t] : from)
-            if (p >= lo && p < hi) model[d][p] = t;
+            if (in_range(p, p0, p1)) model[d][p] = t;
           break;
         }
         case 8:
