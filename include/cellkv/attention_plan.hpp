@@ -126,6 +126,13 @@ CELLKV_HOST_DEVICE constexpr bool is_decode(const Segment& s, std::int32_t group
   return static_cast<std::int64_t>(s.len) * group <= decode_rows;
 }
 
+// Positions [0, settled_end(s)) of segment s's sequence hold rows that were written before the
+// step: a step writes one fresh row per token, and the tokens of s's sequence that come before s in
+// the step (s.tok0 of them at most) sit at the consecutive positions just below s.pos0. So the
+// decode kernel may copy those rows before its wait for the kernels before it (docs/design.md
+// section 6), while the step's write_kv may still be writing the others.
+CELLKV_HOST_DEVICE constexpr std::int32_t settled_end(const Segment& s) noexcept { return s.pos0 - s.tok0; }
+
 // Prefill items a step of max_write tokens can need with items of kMinPrefillRows rows or more:
 // ceil(len x group / prefill_rows) <= len x group / kMinPrefillRows + 1 per segment, at most
 // max_write segments. In int64: a step block refuses a count past int32 (step_block.hpp).

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "after_last_placement.hpp"
+#include "cellkv/attention_plan.hpp"
 #include "cellkv/kv_cache.hpp"
 #include "oracle.hpp"
 
@@ -391,6 +392,7 @@ class OpDriver {
       return fail("plan.positions", list_str(want_pos), list_str(plan.positions));
     if (const std::string why = model_.check_rows(ids, rows); !why.empty())
       return fail("plan.rows " + list_str(rows), "a valid placement", why);
+    if (!check_settled(plan, want_pos, rows)) return false;
     model_.commit_step(ids, rows);
     placed_ = true;
     ++serial_;
@@ -402,6 +404,25 @@ class OpDriver {
     stats_.max_read_len = std::max(stats_.max_read_len, step_read_len_);
     if (plan.read_len != step_read_len_) return fail("plan.read_len", step_read_len_, plan.read_len);
     if (plan.serial != serial_) return fail("plan.serial", serial_, plan.serial);
+    return true;
+  }
+
+  // settled_end (attention_plan.hpp), what the decode kernel reads before its wait: below it, a
+  // segment's sequence holds only rows from before the step (the model's, not yet committed), none
+  // of which the step writes, and the step places none of that sequence's tokens there.
+  bool check_settled(const StepPlan& plan, const std::vector<std::int32_t>& positions, const std::vector<std::int64_t>& rows) {
+    const std::set<std::int64_t> written(rows.begin(), rows.end());
+    for (const Segment& seg : plan.segments) {
+      const std::int32_t end = settled_end(seg);
+      for (const oracle::Entry& e : model_.entries())
+        if (e.pos < end && e.owners.count(seg.seq) != 0 && written.count(e.row) != 0)
+          return fail("settled_end of the segment at token " + std::to_string(seg.tok0), "rows the step does not write",
+                      "the step writes row " + std::to_string(e.row) + " (position " + std::to_string(e.pos) + ")");
+      for (std::size_t t = 0; t < positions.size(); ++t)
+        if (plan.seqs[t] == seg.seq && positions[t] < end)
+          return fail("settled_end of the segment at token " + std::to_string(seg.tok0), "<= " + std::to_string(positions[t]),
+                      end);
+    }
     return true;
   }
 

@@ -16,10 +16,13 @@
 // column masked) with no block-wide barrier; the table
 // is read ahead (the page of the tile two ahead, the row ids of the tile one ahead), and a pair's
 // queries go straight to registers. Throughput comes from many independent warps per SM (small
-// tiles), not from one warp's depth. At the end of a pair's part the warp writes the output, or,
-// for a pair cut by a chunk boundary, a partial (o, lse) that the last part to finish merges:
-// groups of kMergeFanIn parts merge into their first part's slot, level by level, and the last
-// level writes the output. A chunk's last pair looks at its group's count first: when every other
+// tiles), not from one warp's depth. Before the kernel's wait for the kernels before it (a
+// dependent launch) a warp already copies its first tiles, and brings the next into L2, where their
+// rows are settled (settled_end, attention_plan.hpp: rows the step's write_kv does not write), so
+// the start of its stream runs under the end of the kernels before. At the end of a pair's part
+// the warp writes the output, or, for a pair cut by a chunk boundary, a partial (o, lse) that the
+// last part to finish merges: groups of kMergeFanIn parts merge into their first part's slot, level
+// by level, and the last level writes the output. A chunk's last pair looks at its group's count first: when every other
 // part of a pair merged in one level is in, the warp merges their partials into its registers and
 // writes the output, without storing its own partial (merge_in_registers). Counters return to
 // zero, so the next launch (and a graph replay) starts clean. Rows of the padding tokens [tokens,
@@ -79,6 +82,16 @@ struct DecodeTile {
   static constexpr int kNT = kPositions / 8;                       // MMA n-tiles of the scores
   static_assert(kPagePositions % kPositions == 0 && kPositions % 16 == 0 && kLoads * 32 == kPositions * kChunks);
 };
+
+#ifndef CELLKV_DECODE_L2_AHEAD
+#define CELLKV_DECODE_L2_AHEAD 1
+#endif
+// Tiles a warp brings into L2 before its wait, after the first Stages - 1 it copies there (when all
+// of those and these are settled): CELLKV_DECODE_L2_AHEAD (0 to 2), fewer where RowFetch::start
+// does not know that many tiles (it knows three).
+template <int Stages>
+inline constexpr int kL2Ahead = CELLKV_DECODE_L2_AHEAD < 4 - Stages ? CELLKV_DECODE_L2_AHEAD : 4 - Stages;
+static_assert(CELLKV_DECODE_L2_AHEAD >= 0 && CELLKV_DECODE_L2_AHEAD <= 2, "the row ids of two tiles are read ahead");
 
 // Whether a pair's query fragments live in registers (D <= 128) or in a shared tile (D = 256).
 template <int D>
@@ -271,21 +284,36 @@ struct RowFetch {
   __device__ __forceinline__ typename Rows::Tile page_of(const A& a, const TileRef& ref) const {
     return ref.valid() ? a.rows.tile(ref.seq, ref.key0) : typename Rows::Tile{};
   }
+  // Whether tile `ref` of the cursor's pair reads only rows written before the step (settled_end),
+  // or nothing.
+  __device__ __forceinline__ bool settled(const TileRef& ref) const {
+    return !ref.valid() || ref.lo() > ref.hi() || ref.key0 + ref.hi() < settled_end(at.seg);
+  }
   // Starts at cursor c (the worker's first tile): pages of three tiles, ids of two, in parallel.
-  template <class A>
-  __device__ void start(const A& a, const PairCursor& c, std::int64_t g1, int lane) {
+  // Returns how many of the first Early tiles (next[0], next[1], ...) read only settled rows, in a
+  // run from the first: the kernel may issue those before it waits for the kernels before it.
+  template <int Early, class A>
+  __device__ int start(const A& a, const PairCursor& c, std::int64_t g1, int lane) {
+    static_assert(Early <= 3, "three tiles are known at the start");
     at = c;
     typename Rows::Tile pages[2];
+    int leading = 0;
+    auto count = [&](int k) {  // after fill_ref(next[k]), while `at` is its tile's cursor
+      if (k < Early && leading == k && settled(next[k])) ++leading;
+    };
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       fill_ref(a, g1, next[k]);
+      count(k);
       pages[k] = page_of(a, next[k]);
       step_cursor(a, g1);
     }
     fill_ref(a, g1, next[2]);
+    count(2);
     page2 = page_of(a, next[2]);
     load_ids(a.rows, next[0], pages[0], lane, ids[0]);
     load_ids(a.rows, next[1], pages[1], lane, ids[1]);
+    return leading;
   }
   // After issuing next[0]: everything moves up one tile.
   template <class A>
@@ -387,6 +415,23 @@ struct StageRing {
       const auto at = static_cast<std::uint32_t>(max(from, 0));
       cp_async_16_row(k_dst + 512u * i, row_address(k_lane, at, row_bytes), from, policy);
       cp_async_16_row(v_dst[i & 1] + 512u * i, row_address(v_lane, at, row_bytes), from, policy);
+    }
+  }
+  // The K and V rows of a tile (ids as issue's) brought into L2, nothing staged.
+  template <class Pool>
+  __device__ __forceinline__ void prefetch_rows(const Pool& pool, int hk, const int (&ids)[G::kIds], int lane) const {
+    constexpr int kLines = (D * Bytes + 127) / 128;  // 128-byte lines of a row-head
+    const auto row_bytes = static_cast<std::uint32_t>(pool.row_elems() * Bytes);
+    const std::uint64_t head = static_cast<std::uint64_t>(hk) * (D * Bytes);
+#pragma unroll
+    for (int j = 0; j < G::kIds; ++j) {
+      if (lane + 32 * j >= G::kPositions || ids[j] < 0) continue;
+      const auto at = static_cast<std::uint32_t>(ids[j]);
+#pragma unroll
+      for (int l = 0; l < kLines; ++l) {
+        prefetch_l2(row_address(reinterpret_cast<std::uint64_t>(pool.k) + head + 128u * l, at, row_bytes));
+        prefetch_l2(row_address(reinterpret_cast<std::uint64_t>(pool.v) + head + 128u * l, at, row_bytes));
+      }
     }
   }
   // Nothing to issue for this slot of the ring (keeps the group count in step).
@@ -909,8 +954,10 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
   static_assert(!Columns || (kFp8 && G::kPositions == kColumnPositions), "columns tiles: fp8 codes, D = 128");
   extern __shared__ __align__(128) unsigned char smem[];
   allow_dependent_grids();
-  // Up to wait_for_prior_grids (a dependent launch), only the step's plan is read: the work, the
-  // segments and the position tables, which no kernel of the forward changes.
+  // Up to wait_for_prior_grids (a dependent launch), only the step's plan is read (the work, the
+  // segments and the position tables, which no kernel of the forward changes) and the first tiles'
+  // rows where they are settled (settled_end: written before the step, so no kernel of the forward
+  // writes them either).
   const int n = a.work.decode_count(), longest = a.work.longest_decode_pair(), head_tiles = a.work.decode_head_tiles();
   const std::int32_t tokens = *a.tokens;
   auto begin_writes = [&] {  // once per thread, before it reads q or the pool or writes out
@@ -941,8 +988,8 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
     const std::uint32_t q_tile = ring.query();  // D = 256 only
     cc.seek(a, g0, mine.stride, mine.seg, G::kPositions, lane);
     RowFetch<D, Rows, kBytes> fetch;
-    fetch.start(a, cc, g1, lane);
-    begin_writes();
+    constexpr int kAhead = kL2Ahead<Stages>;
+    const int settled = fetch.template start<Stages - 1 + kAhead>(a, cc, g1, lane);
     // Issues the next tile into stage s (or an empty group past the chunk's end); returns the tile's
     // absent columns (holes, positions no row reads).
     auto issue_next = [&](int s) -> std::uint64_t {
@@ -960,8 +1007,19 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
       return absent;
     };
     AbsentMasks<Stages> absent;
+    // The first tiles whose rows the step does not write are copied before the wait, so their
+    // latency runs under the kernels before this one; the others after it.
 #pragma unroll
-    for (int s = 0; s < Stages - 1; ++s) absent.set(s, issue_next(s));
+    for (int s = 0; s < Stages - 1; ++s) {
+      if (s == settled) begin_writes();
+      absent.set(s, issue_next(s));
+    }
+    if (settled >= Stages - 1) {  // all of them: the next kAhead tiles, where settled, into L2
+#pragma unroll
+      for (int k = 0; k < kAhead; ++k)
+        if (settled >= Stages + k) ring.prefetch_rows(a.pool, fetch.next[k].h(), fetch.ids[k], lane);
+      begin_writes();
+    }
 
     QFragments<D> q;
     q.tile = q_tile;

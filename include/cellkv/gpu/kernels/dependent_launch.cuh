@@ -5,8 +5,10 @@
 // exited). Before it reads anything the earlier kernels write, or writes anything they read, it
 // must call wait_for_prior_grids(), which returns once the kernel before it has completed and its
 // memory is visible; every block must call it before it exits, so that the kernels after it can
-// rely on the whole chain having completed. Before the wait it may only touch memory no earlier
-// kernel of the stream changes (weights, for example).
+// rely on the whole chain having completed. Before the wait it may only read memory that no kernel
+// still running writes: what no earlier kernel of the stream changes (weights, for example), or
+// what was written before the chain of dependent launches it belongs to began (the decode
+// kernel's settled rows, docs/design.md section 6); and it writes nothing others read.
 //
 // cellkv's kernels of a layer (write_kv, and the table attention's shared-prefix, decode and
 // prefill kernels) are dependent launches on sm_90 and later and follow these rules; they and the

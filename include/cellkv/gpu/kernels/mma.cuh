@@ -49,6 +49,8 @@ __device__ __forceinline__ const void* row_address(std::uint64_t base, std::uint
   asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(address) : "r"(row), "r"(row_bytes), "l"(base));
   return reinterpret_cast<const void*>(address);
 }
+// Brings the 128-byte line at p into L2 (no register or shared memory written).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 // 4 bytes global -> shared asynchronously (cp.async.ca: the 4-byte form goes through L1);
 // zero-filled when `valid` is false, nothing read.
 __device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
