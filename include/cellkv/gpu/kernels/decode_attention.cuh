@@ -22,9 +22,9 @@
 // the start of its stream runs under the end of the kernels before. At the end of a pair's part
 // the warp writes the output, or, for a pair cut by a chunk boundary, a partial (o, lse) that the
 // last part to finish merges: groups of kMergeFanIn parts merge into their first part's slot, level
-// by level, and the last level writes the output. A chunk's last pair looks at its group's count first: when every other
-// part of a pair merged in one level is in, the warp merges their partials into its registers and
-// writes the output, without storing its own partial (merge_in_registers). Counters return to
+// by level, and the last level writes the output. A chunk's last pair looks at its group's count
+// first: when every other part of a pair merged in one level is in, the warp merges their partials
+// into its registers and writes the output, without storing its own partial (merge_in_registers). Counters return to
 // zero, so the next launch (and a graph replay) starts clean. Rows of the padding tokens [tokens,
 // width) are written as zeros.
 //
@@ -1008,7 +1008,9 @@ __global__ void __launch_bounds__(Warps * 32, 1) decode_attention(DecodeArgs<T, 
     };
     AbsentMasks<Stages> absent;
     // The first tiles whose rows the step does not write are copied before the wait, so their
-    // latency runs under the kernels before this one; the others after it.
+    // latency runs under the kernels before this one; the others after it. begin_writes runs once:
+    // before the first unsettled tile, or after them all. (Each tile is issued from one place: a
+    // second copy of the issue cost the fp8 columns kernel spills.)
 #pragma unroll
     for (int s = 0; s < Stages - 1; ++s) {
       if (s == settled) begin_writes();
