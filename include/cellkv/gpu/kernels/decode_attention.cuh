@@ -24,9 +24,9 @@
 // last part to finish merges: groups of kMergeFanIn parts merge into their first part's slot, level
 // by level, and the last level writes the output. A chunk's last pair looks at its group's count
 // first: when every other part of a pair merged in one level is in, the warp merges their partials
-// into its registers and writes the output, without storing its own partial (merge_in_registers). Counters return to
-// zero, so the next launch (and a graph replay) starts clean. Rows of the padding tokens [tokens,
-// width) are written as zeros.
+// into its registers and writes the output, without storing its own partial (merge_in_registers).
+// Counters return to zero, so the next launch (and a graph replay) starts clean. Rows of the
+// padding tokens [tokens, width) are written as zeros.
 //
 // Block: Warps x 32 threads, one worker per warp; grid: any fixed size of at least H_kv warps
 // (decode_min_blocks: every KV head needs a worker), persistent; dynamic smem:
