@@ -16,7 +16,10 @@
 //             back on their own: the K half is refilled once S has read it, the V half once P V
 //             has, so the next K tiles load while the consumers still hold the V tiles before
 //             them. Each warp gathers 32 rows of a tile: of K, then V, where it has 128 rows; of K
-//             (warps 0, 1) or V (warps 2, 3), each pair at its own pace, where it has 64.
+//             (warps 0, 1) or V (warps 2, 3), each pair at its own pace, where it has 64. Where a
+//             warp's 32 rows are consecutive pool rows, all present and seen (a clustered
+//             placement's interior tiles), its lane 0 copies them instead with one TMA box per 64
+//             columns (pool_maps.cuh; the kernel's `maps` parameter, valid 0: always gathered).
 //   consumers (warpgroups 1 and 2, kConsumerRegisters): rows [64 c, 64 c + 64) of the item each;
 //             per tile S = Q K^T (wgmma, the queries and K from shared memory), mask and online
 //             softmax in registers (attention_tiles.cuh: the accumulator layout is mma.sync's),
@@ -52,6 +55,7 @@
 #include "cellkv/gpu/kernels/dependent_launch.cuh"
 #include "cellkv/gpu/kernels/layer_args.cuh"
 #include "cellkv/gpu/kernels/mma.cuh"
+#include "cellkv/gpu/kernels/pool_maps.cuh"
 #include "cellkv/gpu/kernels/prefill_attention.cuh"
 #include "cellkv/gpu/kernels/wgmma.cuh"
 #include "cellkv/visibility.hpp"
@@ -250,6 +254,25 @@ __device__ __forceinline__ void copy_rows(const ProducerLane<T, D>& pl, int id, 
   }
 }
 
+// The warp's 32 rows of one tensor of a tile when they are the pool rows [first_id, first_id + 32),
+// all present and seen: D / 64 TMA boxes (pool_maps.cuh), issued by lane 0, counted by `full`'s
+// transaction bytes. tile_rows: the shared address of the warp's first row in the stage's K or V tile.
+template <class T, int D>
+__device__ __forceinline__ void copy_rows_tma(const CUtensorMap* map, int first_id, int hk, std::uint32_t tile_rows,
+                                              std::uint64_t* full, int lane) {
+  using KV = typename WgmmaPrefill<D>::KV;
+  static_assert(kMapRows == 32, "a warp's rows are one box");
+  if (lane != 0) return;
+  ::cuda::ptx::mbarrier_expect_tx(::cuda::ptx::sem_relaxed, ::cuda::ptx::scope_cta, ::cuda::ptx::space_shared, full,
+                                  static_cast<std::uint32_t>(kMapRows * D * sizeof(T)));
+#pragma unroll
+  for (int b = 0; b < D / 64; ++b) {
+    const std::int32_t coords[3] = {0, hk * (D / 64) + b, first_id};
+    void* dst = reinterpret_cast<void*>(__cvta_shared_to_generic(tile_rows + static_cast<std::uint32_t>(b * KV::kBlockBytes)));
+    ::cuda::ptx::cp_async_bulk_tensor(::cuda::ptx::space_cluster, ::cuda::ptx::space_global, dst, map, coords, full);
+  }
+}
+
 // What one item of a Work gives the block: its query rows (QRows: ItemRows, or SharedRows of a
 // shared run), its KV head, the tiles it reads, and the split it covers (shared items).
 template <class QRows>
@@ -287,8 +310,8 @@ struct PrefillItems {
 // it (ProducerLane: which warps gather which rows). The row ids of the next tile are read before
 // the current tile's copies, so their latency hides behind them.
 template <class T, int D, class Rows, class Work, class Item>
-__device__ void produce_tiles(const LayerArgs<T, Rows>& a, const Work& work, std::uint32_t base, std::uint32_t* absent,
-                              Item* item_slots, const PrefillBarriers<WgmmaPrefill<D>::kStages>& bar) {
+__device__ void produce_tiles(const LayerArgs<T, Rows>& a, const PoolMaps* maps, const Work& work, std::uint32_t base,
+                              std::uint32_t* absent, Item* item_slots, const PrefillBarriers<WgmmaPrefill<D>::kStages>& bar) {
   using L = WgmmaPrefill<D>;
   using PL = ProducerLane<T, D>;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
@@ -298,6 +321,8 @@ __device__ void produce_tiles(const LayerArgs<T, Rows>& a, const Work& work, std
   const int first_row = PL::rows_of(warp);
   const int table_tile = first_row / kPrefillTile * kPrefillTile, in_table_tile = first_row - table_tile + lane;
   RingCursor<L::kStages> ring;  // the next stage to fill
+  const bool tma = maps != nullptr && maps->valid != 0;
+  using KV = typename L::KV;
   for (int n = 0, item; (item = dealt_item(n, items)) >= 0; ++n) {
     const auto w = work.at(item, lane);
     const TileSource& src = w.src;
@@ -319,6 +344,10 @@ __device__ void produce_tiles(const LayerArgs<T, Rows>& a, const Work& work, std
     for (int j = 0; j < span.count; ++j, ring.next()) {
       const int next = row_id(j + 1);
       const std::uint32_t stage = base + static_cast<std::uint32_t>(ring.stage * L::kStageBytes);
+      // The warp's 32 rows by TMA when they are consecutive pool rows, all present and seen.
+      const int first_id = __shfl_sync(0xffffffffu, id, 0);
+      const bool run = tma && __all_sync(0xffffffffu, id >= 0 && id == first_id + lane);
+      const std::uint32_t rows_at = stage + static_cast<std::uint32_t>(first_row * 128);  // the warp's rows, K tile
       // One tensor's rows of tile j, once the consumers are done with that half of the stage; the
       // K warps' lane 0s write the rows' absent bits first.
       auto fill = [&](bool v, auto copy) {
@@ -329,11 +358,24 @@ __device__ void produce_tiles(const LayerArgs<T, Rows>& a, const Work& work, std
         ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.full(v) + ring.stage);
         if (lane == 0) (void)::cuda::ptx::mbarrier_arrive(bar.full(v) + ring.stage);  // after the absent bits
       };
+      auto by_tma = [&](bool v) {
+        copy_rows_tma<T, D>(v ? &maps->v : &maps->k, first_id, w.hk, rows_at + (v ? KV::kBytes : 0u),
+                            bar.full(v) + ring.stage, lane);
+      };
       if constexpr (PL::kSplitKV) {
-        fill(v_warp, [&] { copy_rows<T, D, false>(pl, id, stage, lane); });
+        fill(v_warp, [&] {
+          if (run) by_tma(v_warp);
+          else copy_rows<T, D, false>(pl, id, stage, lane);
+        });
       } else {
-        fill(false, [&] { copy_rows<T, D, false>(pl, id, stage, lane); });
-        fill(true, [&] { copy_rows<T, D, true>(pl, id, stage, lane); });
+        fill(false, [&] {
+          if (run) by_tma(false);
+          else copy_rows<T, D, false>(pl, id, stage, lane);
+        });
+        fill(true, [&] {
+          if (run) by_tma(true);
+          else copy_rows<T, D, true>(pl, id, stage, lane);
+        });
       }
       id = next;
     }
@@ -567,7 +609,7 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
 // WgmmaPrefill<D>): barriers set up, then the producer and the two consumer warpgroups. Built
 // without sm_90a code it traps: the dispatch never launches it there (sm90a_probe).
 template <class T, int D, class Rows, class Work>
-__device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const Work& work) {
+__device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const PoolMaps* maps, const Work& work) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgmmaPrefill<D>;
   extern __shared__ __align__(128) unsigned char smem[];  // aligned to 1024 below
@@ -588,6 +630,8 @@ __device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const W
       }
     ::cuda::ptx::mbarrier_init(bar.q_full(), kWarpgroup + 1);
     ::cuda::ptx::mbarrier_init(bar.q_empty(), 2 * kWarpgroup);
+    // The initialized barriers made visible to the async proxy: the TMA copies complete on them.
+    ::cuda::ptx::fence_proxy_async(::cuda::ptx::space_shared);
   }
   __syncthreads();
   allow_dependent_grids();
@@ -595,7 +639,7 @@ __device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const W
   a.guard.check(a.work);
   if (threadIdx.x < kWarpgroup) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
-    produce_tiles<T, D>(a, work, base, reinterpret_cast<std::uint32_t*>(absent), item_slots, bar);
+    produce_tiles<T, D>(a, maps, work, base, reinterpret_cast<std::uint32_t*>(absent), item_slots, bar);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
     work.template before_items<D>(static_cast<int>(threadIdx.x) - kWarpgroup);
@@ -604,15 +648,17 @@ __device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const W
     work.template after_items<D>(static_cast<int>(threadIdx.x) - kWarpgroup);
   }
 #else
-  (void)a, (void)work;
+  (void)a, (void)maps, (void)work;
   __trap();
 #endif
 }
 
 // T: bf16 or fp16 pool and queries; dynamic smem WgmmaPrefill<D>::kAllocation; kWgmmaPrefillThreads.
+// maps: the TMA descriptors of a.pool (pool_maps; valid 0: every row gathered).
 template <class T, int D, class Rows>
-__global__ void __launch_bounds__(kWgmmaPrefillThreads, 1) prefill_wgmma(PrefillArgs<T, Rows> a) {
-  wgmma_block<T, D>(a, PrefillItems<T, Rows>{a});
+__global__ void __launch_bounds__(kWgmmaPrefillThreads, 1)
+    prefill_wgmma(PrefillArgs<T, Rows> a, const __grid_constant__ PoolMaps maps) {
+  wgmma_block<T, D>(a, &maps, PrefillItems<T, Rows>{a});
 }
 
 }  // namespace cellkv::gpu::kernels

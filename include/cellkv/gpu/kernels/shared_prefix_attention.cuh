@@ -183,8 +183,9 @@ struct SharedItems {
 // T: bf16 or fp16 pool and queries (not fp8); D 64 or 128 (wgmma_shared_supports); dynamic smem WgmmaPrefill<D>::kAllocation;
 // kWgmmaPrefillThreads; grid: one block per SM.
 template <class T, int D, class Rows>
-__global__ void __launch_bounds__(kWgmmaPrefillThreads, 1) shared_prefix_wgmma(SharedArgs<T, Rows> a) {
-  wgmma_block<T, D>(a, SharedItems<T, Rows>{a});
+__global__ void __launch_bounds__(kWgmmaPrefillThreads, 1)
+    shared_prefix_wgmma(SharedArgs<T, Rows> a, const __grid_constant__ PoolMaps maps) {
+  wgmma_block<T, D>(a, &maps, SharedItems<T, Rows>{a});
 }
 
 }  // namespace cellkv::gpu::kernels

@@ -346,11 +346,11 @@ class TableAttention {
   // Launches `kernel` with `smem` bytes of dynamic shared memory (the limit raised first), as a
   // dependent launch when `dependent` (every kernel of the layer's attention waits for the kernels
   // before it before reading what they write: kernels/dependent_launch.cuh).
-  template <class Kernel, class Args>
+  template <class Kernel, class... Args>
   static Status launch(Kernel* kernel, int grid, int threads, int smem, bool dependent, cudaStream_t stream,
-                       const Args& args) {
+                       const Args&... args) {
     CELLKV_CUDA_STATUS(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    CELLKV_CUDA_STATUS(launch_dependent(dependent, kernel, grid, threads, static_cast<std::size_t>(smem), stream, args));
+    CELLKV_CUDA_STATUS(launch_dependent(dependent, kernel, grid, threads, static_cast<std::size_t>(smem), stream, args...));
     return {};
   }
   template <int D>
@@ -371,7 +371,7 @@ class TableAttention {
     if constexpr (kWgmmaPrefill<D>) {
       if (wgmma_prefill_)
         return launch(kernels::prefill_wgmma<In, D, Rows>, prefill_grid_, kernels::kWgmmaPrefillThreads,
-                      kernels::WgmmaPrefill<D>::kAllocation, dependent, stream, a);
+                      kernels::WgmmaPrefill<D>::kAllocation, dependent, stream, a, kernels::pool_maps(a.pool));
     }
     return launch(kernels::prefill_attention<In, D, kPrefillStages<D>, Rows, S>, prefill_grid_, kernels::kPrefillThreads,
                   kPreSmem<D>, dependent, stream, a);
@@ -381,7 +381,7 @@ class TableAttention {
     if constexpr (kWgmmaShared<D>) {
       if (wgmma_shared_)
         return launch(kernels::shared_prefix_wgmma<In, D, Rows>, shared_grid_, kernels::kWgmmaPrefillThreads,
-                      kernels::WgmmaPrefill<D>::kAllocation, dependent_, stream, a);
+                      kernels::WgmmaPrefill<D>::kAllocation, dependent_, stream, a, kernels::pool_maps(a.pool));
     }
     return launch(kernels::shared_prefix_attention<In, D, kPrefillStages<D>, Rows, S>, shared_grid_,
                   kernels::kPrefillThreads, kPreSmem<D>, dependent_, stream, a);
