@@ -290,6 +290,16 @@ struct ColumnHalf {
   __device__ static __forceinline__ int row(int h, int lane) { return 2 * (lane & 3) + h; }
   __device__ __forceinline__ float& v(int j) const { return st.o[j / 2][2 * (j & 1) + e]; }
   __device__ static __forceinline__ int column(int j, int lane) { return 16 * (lane >> 2) + j; }
+  // Stores this lane's share of the row (its kValues consecutive columns; dst: the row's D elements
+  // of T, 16-byte aligned; nullptr: nothing stored) in 16-byte pieces. RowHalf::store_row's interface.
+  template <class T>
+  __device__ __forceinline__ void store_row(T* dst, int lane) const {
+    if (dst == nullptr) return;
+#pragma unroll
+    for (int j = 0; j < kValues; j += 8)
+      *reinterpret_cast<uint4*>(dst + column(j, lane)) = make_uint4(pack2<T>(v(j), v(j + 1)), pack2<T>(v(j + 2), v(j + 3)),
+                                                                    pack2<T>(v(j + 4), v(j + 5)), pack2<T>(v(j + 6), v(j + 7)));
+  }
   // Stores this lane's share as a partial: o_row [D] fp32, *lse_row (one lane of the column writes it).
   __device__ __forceinline__ void store_partial(float* o_row, float* lse_row, int lane) const {
 #pragma unroll

@@ -51,6 +51,9 @@ __device__ __forceinline__ const void* row_address(std::uint64_t base, std::uint
 }
 // Brings the 128-byte line at p into L2 (no register or shared memory written).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+// Drops the 128-byte line at p (128-byte aligned) from L2 without writing it back: its contents
+// become undefined. For scratch read for the last time, so it never costs a DRAM write.
+__device__ __forceinline__ void discard_l2(const void* p) { asm volatile("discard.global.L2 [%0], 128;" ::"l"(p) : "memory"); }
 // 4 bytes global -> shared asynchronously (cp.async.ca: the 4-byte form goes through L1);
 // zero-filled when `valid` is false, nothing read.
 __device__ __forceinline__ void cp_async_4(std::uint32_t dst, const void* src, bool valid) {
