@@ -4,7 +4,9 @@
 // kernels meet holes and random fork trees on short steps): long ragged prompt chunks (1 to 3,701
 // tokens in one step) beside decode tokens, a window that cuts through them, a fork and a rewind,
 // both layouts, bf16 and fp16, head dims 64 / 128 / 256 (the wgmma kernel reads 64-position tiles
-// at 256, 128-position ones below), GQA 1, 4 and 8.
+// at 256, 128-position ones below), GQA 1, 4 and 8. Every layer of every step launches the
+// prefill kernel on the same item-claim counters (item_claims.cuh), so a launch that left them
+// other than zero would leave the next one's items undone, and its outputs wrong.
 #include <doctest/doctest.h>
 
 #include <cstdint>

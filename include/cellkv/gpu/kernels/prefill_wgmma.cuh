@@ -5,8 +5,9 @@
 // one segment (token x GQA head of the group). The block's loop is written for any work (Work:
 // the items, each item's rows, KV head and tiles, where its rows' results go, and what the consumer
 // threads do before and after all their items): PrefillItems here, the shared-prefix items of
-// shared_prefix_attention.cuh (shared_prefix_wgmma). Items are dealt to the persistent blocks in
-// rounds (dealt_item). Block: three warpgroups.
+// shared_prefix_attention.cuh (shared_prefix_wgmma). The persistent blocks take the items one at a
+// time from a device counter, heaviest first (item_claims.cuh; the shared-prefix items: dealt in
+// rounds). Block: three warpgroups.
 //   producer  (warpgroup 0, kProducerRegisters a thread): per item, the item's queries into the
 //             query tile and the item itself (WgmmaItem) into a slot for the consumers, so they
 //             start it without a global read; then every KV tile the item reads (kTile = 128
@@ -40,7 +41,8 @@
 // Dynamic shared memory (WgmmaPrefill<D>, 1024-byte aligned inside the allocation):
 //   Stages x (K tile, V tile) [kTile x D] T (Sw128Tile) | Q tile [kPrefillRows x D] T
 //   (Sw128Tile) | absent [Stages][2] u64 | item slots [2] (by item parity, kItemBytes each) |
-//   barriers full_k[Stages], empty_k[Stages], full_v[Stages], empty_v[Stages], q_full, q_empty
+//   barriers full_k[Stages], empty_k[Stages], full_v[Stages], empty_v[Stages], q_full, q_empty |
+//   claimed [2] int (the producer's items, RoundItems)
 // Grid: persistent, one block per SM. Only pools of T (not fp8), D = 64, 128 and 256 (the
 // shared-prefix items: D = 64 and 128).
 #pragma once
@@ -53,6 +55,7 @@
 #include "cellkv/attention_plan.hpp"
 #include "cellkv/gpu/kernels/attention_tiles.cuh"
 #include "cellkv/gpu/kernels/dependent_launch.cuh"
+#include "cellkv/gpu/kernels/item_claims.cuh"
 #include "cellkv/gpu/kernels/layer_args.cuh"
 #include "cellkv/gpu/kernels/mma.cuh"
 #include "cellkv/gpu/kernels/pool_maps.cuh"
@@ -121,7 +124,8 @@ struct WgmmaPrefill {
   static constexpr int kItemBytes = 128;  // one slot of the item descriptors (WgmmaItem)
   static constexpr int kItems = kAbsent + 16 * kStages;
   static constexpr int kBarriers = kItems + 2 * kItemBytes;
-  static constexpr int kBytes = kBarriers + 8 * PrefillBarriers<kStages>::kCount;
+  static constexpr int kClaimed = kBarriers + 8 * PrefillBarriers<kStages>::kCount;  // int [2], by round parity
+  static constexpr int kBytes = kClaimed + 2 * 4;
   static constexpr int kAllocation = kBytes + 1024;  // room to align the base
   static_assert(kAllocation <= 232448, "fits the opt-in shared memory of a Hopper block (227 KB)");
 };
@@ -129,6 +133,8 @@ struct WgmmaPrefill {
 // Named barriers of the consumer warpgroups' ping-pong (PingPong); 0 is __syncthreads, 1 the
 // shared finish's (shared_prefix_attention.cuh).
 inline constexpr int kPingPongBarrier = 2;
+// Named barrier of the producer warpgroup: the item of a round handed from its thread 0 to its warps.
+inline constexpr int kProducerBarrier = 4;
 // Whether the consumer warpgroups take turns (PingPong) or issue freely; CELLKV_PREFILL_PING_PONG=1
 // at build time turns the turns on. Off by default: on the H200 (2026-12-04) the turns gave 0-2%
 // at D 64 and 128 (benchmarks/RESULTS.md). Built with them, the kernels pass compute-sanitizer's
@@ -305,25 +311,62 @@ struct PrefillItems {
   __device__ void after_items(int /*thread*/) const {}
 };
 
+// The item of each round of the producer: thread 0 takes it (ItemClaims) a round ahead, so a claim's
+// latency hides behind the round before, and hands it to the producer's warps through
+// claimed[round parity] and named barrier kProducerBarrier (a thread reads round n's word before
+// it arrives for round n + 1, which thread 0 passes before it writes round n + 2's).
+struct RoundItems {
+  ItemClaims claims;
+  int items;
+  int* claimed;  // shared [2]
+  int ahead = -1;  // thread 0: the item of the next round
+  __device__ RoundItems(ItemClaims c, int count, int* words, int t) : claims(c), items(count), claimed(words) {
+    if (t == 0) ahead = claims.take(0, items);
+  }
+  // Round n's item (-1: the block's items are done), in every producer thread.
+  __device__ int next(int n, int t) {
+    if (t == 0) claimed[n & 1] = ahead;
+    asm volatile("bar.sync %0, %1;" ::"n"(kProducerBarrier), "n"(kWarpgroup) : "memory");
+    const int item = claimed[n & 1];
+    if (t == 0 && item >= 0) ahead = claims.take(n + 1, items);
+    return item;
+  }
+};
+
 // The producer warpgroup (thread t = threadIdx.x in [0, 128)): the queries of every item the block
-// takes, then its KV tiles through the ring, each half of a stage once the consumers have released
-// it (ProducerLane: which warps gather which rows). The row ids of the next tile are read before
+// takes (RoundItems), then its KV tiles through the ring, each half of a stage once the consumers
+// have released it (ProducerLane: which warps gather which rows); after the last item an item slot
+// with KV head -1, which ends the consumers' loop. The row ids of the next tile are read before
 // the current tile's copies, so their latency hides behind them.
 template <class T, int D, class Rows, class Work, class Item>
-__device__ void produce_tiles(const LayerArgs<T, Rows>& a, const PoolMaps* maps, const Work& work, std::uint32_t base,
-                              std::uint32_t* absent, Item* item_slots, const PrefillBarriers<WgmmaPrefill<D>::kStages>& bar) {
+__device__ void produce_tiles(const LayerArgs<T, Rows>& a, const PoolMaps* maps, const Work& work, ItemClaims claims,
+                              std::uint32_t base, std::uint32_t* absent, Item* item_slots, int* claimed,
+                              const PrefillBarriers<WgmmaPrefill<D>::kStages>& bar) {
   using L = WgmmaPrefill<D>;
   using PL = ProducerLane<T, D>;
   const int t = threadIdx.x, warp = t / 32, lane = t % 32;
   const bool v_warp = PL::v_only(warp);
-  const int items = work.count();
+  RoundItems round(claims, work.count(), claimed, t);
   // The lane's row of a tile: rows_of(warp) + lane, in the table tile at `table_tile`.
   const int first_row = PL::rows_of(warp);
   const int table_tile = first_row / kPrefillTile * kPrefillTile, in_table_tile = first_row - table_tile + lane;
   RingCursor<L::kStages> ring;  // the next stage to fill
   const bool tma = maps != nullptr && maps->valid != 0;
   using KV = typename L::KV;
-  for (int n = 0, item; (item = dealt_item(n, items)) >= 0; ++n) {
+  for (int n = 0;; ++n) {
+    const int item = round.next(n, t);
+    if (item < 0) {  // the end slot, handed over as an item's
+      wait_phase(bar.q_empty(), (n & 1) ^ 1);
+      ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.q_full());
+      if (t == 0) {
+        Item end{};
+        end.hk = -1;
+        item_slots[n & 1] = end;
+        (void)::cuda::ptx::mbarrier_arrive(bar.q_full());
+        claims.done();
+      }
+      break;
+    }
     const auto w = work.at(item, lane);
     const TileSource& src = w.src;
     const WideSpan span = wide_span<L::kTile>(src.span);
@@ -506,7 +549,6 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
   using L = WgmmaPrefill<D>;
   using Cursor = RingCursor<L::kStages>;
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int items = work.count();
   const PingPong turn{c};
   Cursor next_k, next_v;  // the next K and V tiles to consume
   // A tile taken is known by its stage.
@@ -524,9 +566,10 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
   auto take_v = [&] { return take(next_v, bar.full(true)); };
   auto release = [](std::uint64_t* empty, int stage) { (void)::cuda::ptx::mbarrier_arrive(empty + stage); };
   turn.start();
-  for (int n = 0; dealt_item(n, items) >= 0; ++n) {
+  for (int n = 0;; ++n) {
     wait_phase(bar.q_full(), n & 1);
     const Item w = item_slots[n & 1];
+    if (w.hk < 0) break;  // the producer's end slot
     const WideSpan span = wide_span<L::kTile>(w.src.span);
     const auto rows = sub_rows(w.rows, kConsumerRows * c, kConsumerRows);  // the warpgroup's
     const WarpRows mine(rows.for_warp(warp, lane), a.window);
@@ -609,7 +652,8 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
 // WgmmaPrefill<D>): barriers set up, then the producer and the two consumer warpgroups. Built
 // without sm_90a code it traps: the dispatch never launches it there (sm90a_probe).
 template <class T, int D, class Rows, class Work>
-__device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const PoolMaps* maps, const Work& work) {
+__device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const PoolMaps* maps, const Work& work,
+                                            ItemClaims claims) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = WgmmaPrefill<D>;
   extern __shared__ __align__(128) unsigned char smem[];  // aligned to 1024 below
@@ -620,6 +664,7 @@ __device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const P
   using Item = decltype(work.at(0, 0));
   static_assert(sizeof(Item) <= L::kItemBytes && alignof(Item) <= 16, "an item fits its slot");
   auto* item_slots = reinterpret_cast<Item*>(aligned + L::kItems);  // [2], by item parity
+  auto* claimed = reinterpret_cast<int*>(aligned + L::kClaimed);     // [2], by round parity
   const PrefillBarriers<L::kStages> bar{barriers};
   if (threadIdx.x == 0) {
     constexpr int kWarps = ProducerLane<T, D>::kTensorWarps;  // the producer warps of one tensor
@@ -639,7 +684,7 @@ __device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const P
   a.guard.check(a.work);
   if (threadIdx.x < kWarpgroup) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
-    produce_tiles<T, D>(a, maps, work, base, reinterpret_cast<std::uint32_t*>(absent), item_slots, bar);
+    produce_tiles<T, D>(a, maps, work, claims, base, reinterpret_cast<std::uint32_t*>(absent), item_slots, claimed, bar);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
     work.template before_items<D>(static_cast<int>(threadIdx.x) - kWarpgroup);
@@ -648,17 +693,18 @@ __device__ __forceinline__ void wgmma_block(const LayerArgs<T, Rows>& a, const P
     work.template after_items<D>(static_cast<int>(threadIdx.x) - kWarpgroup);
   }
 #else
-  (void)a, (void)maps, (void)work;
+  (void)a, (void)maps, (void)work, (void)claims;
   __trap();
 #endif
 }
 
 // T: bf16 or fp16 pool and queries; dynamic smem WgmmaPrefill<D>::kAllocation; kWgmmaPrefillThreads.
-// maps: the TMA descriptors of a.pool (pool_maps; valid 0: every row gathered).
+// maps: the TMA descriptors of a.pool (pool_maps; valid 0: every row gathered). claims: the
+// counters the blocks take their items from (item_claims.cuh; words null: dealt in rounds).
 template <class T, int D, class Rows>
 __global__ void __launch_bounds__(kWgmmaPrefillThreads, 1)
-    prefill_wgmma(PrefillArgs<T, Rows> a, const __grid_constant__ PoolMaps maps) {
-  wgmma_block<T, D>(a, &maps, PrefillItems<T, Rows>{a});
+    prefill_wgmma(PrefillArgs<T, Rows> a, const __grid_constant__ PoolMaps maps, ItemClaims claims) {
+  wgmma_block<T, D>(a, &maps, PrefillItems<T, Rows>{a}, claims);
 }
 
 }  // namespace cellkv::gpu::kernels

@@ -185,7 +185,7 @@ struct SharedItems {
 template <class T, int D, class Rows>
 __global__ void __launch_bounds__(kWgmmaPrefillThreads, 1)
     shared_prefix_wgmma(SharedArgs<T, Rows> a, const __grid_constant__ PoolMaps maps) {
-  wgmma_block<T, D>(a, &maps, SharedItems<T, Rows>{a});
+  wgmma_block<T, D>(a, &maps, SharedItems<T, Rows>{a}, ItemClaims{});  // dealt: the finish counts on every block
 }
 
 }  // namespace cellkv::gpu::kernels

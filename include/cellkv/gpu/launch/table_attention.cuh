@@ -174,6 +174,7 @@ class TableAttention {
     shared_o_ = DeviceBuffer<float>(shared_rows * static_cast<std::size_t>(shape.head_dim));
     shared_lse_ = DeviceBuffer<float>(shared_rows);
     CELLKV_CUDA_THROW(cudaMemset(finish_sync_.data(), 0, finish_sync_.bytes()));  // waited for as merge_counts_
+    CELLKV_CUDA_THROW(cudaMemset(prefill_claims_.data(), 0, prefill_claims_.bytes()));
   }
 
   // Whether prefill runs the Hopper (wgmma) kernel rather than the mma.sync one.
@@ -371,7 +372,8 @@ class TableAttention {
     if constexpr (kWgmmaPrefill<D>) {
       if (wgmma_prefill_)
         return launch(kernels::prefill_wgmma<In, D, Rows>, prefill_grid_, kernels::kWgmmaPrefillThreads,
-                      kernels::WgmmaPrefill<D>::kAllocation, dependent, stream, a, kernels::pool_maps(a.pool));
+                      kernels::WgmmaPrefill<D>::kAllocation, dependent, stream, a, kernels::pool_maps(a.pool),
+                      kernels::ItemClaims{prefill_claims_.data()});
     }
     return launch(kernels::prefill_attention<In, D, kPrefillStages<D>, Rows, S>, prefill_grid_, kernels::kPrefillThreads,
                   kPreSmem<D>, dependent, stream, a);
@@ -398,6 +400,7 @@ class TableAttention {
   DeviceBuffer<std::int32_t> merge_counts_;
   DeviceBuffer<float> shared_o_, shared_lse_;  // [shared_slots][H_q][D], [shared_slots][H_q]
   DeviceBuffer<unsigned long long> finish_sync_{3};  // kernels::FinishSync: arrivals, claims [2]
+  DeviceBuffer<std::uint32_t> prefill_claims_{2};     // kernels::ItemClaims of prefill_wgmma: next item, blocks done
   Stream side_;
   Event fork_, join_;
 };
