@@ -15,8 +15,6 @@
 #include <cudaTypedefs.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 
 #include "cellkv/pool_view.hpp"
 
@@ -66,12 +64,10 @@ bool encode_pool_tensor(CUtensorMap& map, const T* base, const PoolView<const T>
 
 }  // namespace detail
 
-// The descriptors of `pool` (T: bf16 or fp16), or none (valid 0) where the driver cannot make them
-// or CELLKV_PREFILL_TMA=0 is set (every row gathered, to compare the two in one process).
+// The descriptors of `pool` (T: bf16 or fp16), or none (valid 0) where the driver cannot make them.
 template <class T>
 PoolMaps pool_maps(const PoolView<const T>& pool) {
   PoolMaps maps{};
-  if (const char* e = std::getenv("CELLKV_PREFILL_TMA"); e != nullptr && std::string_view(e) == "0") return maps;
   maps.valid = detail::encode_pool_tensor(maps.k, pool.k, pool) && detail::encode_pool_tensor(maps.v, pool.v, pool);
   return maps;
 }

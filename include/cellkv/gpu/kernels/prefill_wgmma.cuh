@@ -391,34 +391,26 @@ __device__ void produce_tiles(const LayerArgs<T, Rows>& a, const PoolMaps* maps,
       const int first_id = __shfl_sync(0xffffffffu, id, 0);
       const bool run = tma && __all_sync(0xffffffffu, id >= 0 && id == first_id + lane);
       const std::uint32_t rows_at = stage + static_cast<std::uint32_t>(first_row * 128);  // the warp's rows, K tile
-      // One tensor's rows of tile j, once the consumers are done with that half of the stage; the
-      // K warps' lane 0s write the rows' absent bits first.
-      auto fill = [&](bool v, auto copy) {
-        wait_phase(bar.empty(v) + ring.stage, ring.phase ^ 1u);
-        const std::uint32_t missing = __ballot_sync(0xffffffffu, id < 0);
-        if (lane == 0 && !v) absent[4 * ring.stage + warp] = missing;
-        copy();
-        ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.full(v) + ring.stage);
-        if (lane == 0) (void)::cuda::ptx::mbarrier_arrive(bar.full(v) + ring.stage);  // after the absent bits
-      };
       auto by_tma = [&](bool v) {
         copy_rows_tma<T, D>(v ? &maps->v : &maps->k, first_id, w.hk, rows_at + (v ? KV::kBytes : 0u),
                             bar.full(v) + ring.stage, lane);
       };
+      // One tensor's rows of tile j (by TMA, else gather()), once the consumers are done with that
+      // half of the stage; the K warps' lane 0s write the rows' absent bits first.
+      auto fill = [&](bool v, auto gather) {
+        wait_phase(bar.empty(v) + ring.stage, ring.phase ^ 1u);
+        const std::uint32_t missing = __ballot_sync(0xffffffffu, id < 0);
+        if (lane == 0 && !v) absent[4 * ring.stage + warp] = missing;
+        if (run) by_tma(v);
+        else gather();
+        ::cuda::ptx::cp_async_mbarrier_arrive_noinc(bar.full(v) + ring.stage);
+        if (lane == 0) (void)::cuda::ptx::mbarrier_arrive(bar.full(v) + ring.stage);  // after the absent bits
+      };
       if constexpr (PL::kSplitKV) {
-        fill(v_warp, [&] {
-          if (run) by_tma(v_warp);
-          else copy_rows<T, D, false>(pl, id, stage, lane);
-        });
+        fill(v_warp, [&] { copy_rows<T, D, false>(pl, id, stage, lane); });
       } else {
-        fill(false, [&] {
-          if (run) by_tma(false);
-          else copy_rows<T, D, false>(pl, id, stage, lane);
-        });
-        fill(true, [&] {
-          if (run) by_tma(true);
-          else copy_rows<T, D, true>(pl, id, stage, lane);
-        });
+        fill(false, [&] { copy_rows<T, D, false>(pl, id, stage, lane); });
+        fill(true, [&] { copy_rows<T, D, true>(pl, id, stage, lane); });
       }
       id = next;
     }

@@ -273,6 +273,17 @@ class TableAttention {
     const char* e = std::getenv("CELLKV_DECODE_KERNEL");
     return e != nullptr && std::string_view(e) == "rows";
   }
+  // CELLKV_PREFILL_TMA=0: the wgmma kernels gather every key and value row instead of loading
+  // consecutive rows by TMA (to compare the two in one process).
+  static bool prefill_tma_disabled() {
+    const char* e = std::getenv("CELLKV_PREFILL_TMA");
+    return e != nullptr && std::string_view(e) == "0";
+  }
+  // The TMA descriptors of a.pool for the wgmma kernels; none (every row gathered) where disabled.
+  template <class Args>
+  kernels::PoolMaps prefill_maps(const Args& a) const {
+    return prefill_tma_ ? kernels::pool_maps(a.pool) : kernels::PoolMaps{};
+  }
   // Whether `device` runs this build's sm_90a code (so wgmma), unless CELLKV_PREFILL_KERNEL=mma.
   static bool wgmma_code_runs(int device) {
     if (const char* e = std::getenv("CELLKV_PREFILL_KERNEL"); e != nullptr && std::string_view(e) == "mma") return false;
@@ -372,7 +383,7 @@ class TableAttention {
     if constexpr (kWgmmaPrefill<D>) {
       if (wgmma_prefill_)
         return launch(kernels::prefill_wgmma<In, D, Rows>, prefill_grid_, kernels::kWgmmaPrefillThreads,
-                      kernels::WgmmaPrefill<D>::kAllocation, dependent, stream, a, kernels::pool_maps(a.pool),
+                      kernels::WgmmaPrefill<D>::kAllocation, dependent, stream, a, prefill_maps(a),
                       kernels::ItemClaims{prefill_claims_.data()});
     }
     return launch(kernels::prefill_attention<In, D, kPrefillStages<D>, Rows, S>, prefill_grid_, kernels::kPrefillThreads,
@@ -383,7 +394,7 @@ class TableAttention {
     if constexpr (kWgmmaShared<D>) {
       if (wgmma_shared_)
         return launch(kernels::shared_prefix_wgmma<In, D, Rows>, shared_grid_, kernels::kWgmmaPrefillThreads,
-                      kernels::WgmmaPrefill<D>::kAllocation, dependent_, stream, a, kernels::pool_maps(a.pool));
+                      kernels::WgmmaPrefill<D>::kAllocation, dependent_, stream, a, prefill_maps(a));
     }
     return launch(kernels::shared_prefix_attention<In, D, kPrefillStages<D>, Rows, S>, shared_grid_,
                   kernels::kPrefillThreads, kPreSmem<D>, dependent_, stream, a);
@@ -393,6 +404,7 @@ class TableAttention {
   bool columns_ = false;  // decode runs the kernel with positions on the MMA's M side (kColumnsKernel)
   bool dependent_ = dependent_launch_supported();  // the layer's kernels as dependent launches (sm_90+)
   bool wgmma_prefill_ = false;                     // prefill runs prefill_wgmma
+  bool prefill_tma_ = !prefill_tma_disabled();     // the wgmma kernels load consecutive rows by TMA
   bool wgmma_shared_ = false;                      // shared prefixes run shared_prefix_wgmma
   int decode_grid_ = 0, prefill_grid_ = 0, shared_grid_ = 0;
   std::int32_t slots_ = 0;
