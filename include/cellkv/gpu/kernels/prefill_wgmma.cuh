@@ -12,7 +12,8 @@
 //             query tile and the item itself (WgmmaItem) into a slot for the consumers, so they
 //             start it without a global read; then every KV tile the item reads (kTile = 128
 //             positions, 64 for D = 256; gathered row by row through the position table with
-//             cp.async, holes and unread positions zero-filled) into a ring of Stages stages, with
+//             cp.async, holes and unread positions zero-filled; an item reads up to its segment's
+//             last position, PrefillItems::at) into a ring of Stages stages, with
 //             the tile's absent columns beside it. A stage's K and V halves are handed over and
 //             back on their own: the K half is refilled once S has read it, the V half once P V
 //             has, so the next K tiles load while the consumers still hold the V tiles before
@@ -191,7 +192,7 @@ struct RingCursor {
 
 // The item's KV tiles in tiles of Tile positions: tile first + j covers positions [Tile (first + j),
 // Tile (first + j + 1)), the position-table tiles of `span` and, for Tile = 2 kPrefillTile, at most
-// one more at each end (its positions are outside what the item reads: absent).
+// one more at each end (its positions outside what the item reads are absent).
 struct WideSpan {
   int first = 0, count = 0;
 };
@@ -298,7 +299,12 @@ struct PrefillItems {
   __device__ int count() const { return a.work.prefill_count() * a.pool.heads_kv; }
   __device__ WgmmaItem<ItemRows> at(int item, int /*lane*/) const {
     const PrefillWork w = prefill_work<kPrefillRows>(a, item);
-    return {w.rows, w.hk, tile_source(w.rows, w.hk, a.window, w.own_begin), 0, w.own_begin > 0};
+    TileSource src = tile_source(w.rows, w.hk, a.window, w.own_begin);
+    // The positions past the item's last query up to its segment's last, which this step wrote,
+    // are read too (the mask hides them by position): a causal diagonal tile's rows then stay
+    // consecutive pool rows, copied by TMA rather than gathered, with no absent columns.
+    src.seen.end = max(src.seen.end, w.rows.seg.pos0 + w.rows.seg.len - 1);
+    return {w.rows, w.hk, src, 0, w.own_begin > 0};
   }
   template <int D>
   __device__ void finish(const WgmmaItem<ItemRows>& it, const ItemRows& mine, RowState<D>& st, int lane) const {
