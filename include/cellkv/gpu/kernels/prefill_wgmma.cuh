@@ -301,8 +301,8 @@ struct PrefillItems {
     const PrefillWork w = prefill_work<kPrefillRows>(a, item);
     TileSource src = tile_source(w.rows, w.hk, a.window, w.own_begin);
     // The positions past the item's last query up to its segment's last, which this step wrote,
-    // are read too (the mask hides them by position): a causal diagonal tile's rows then stay
-    // consecutive pool rows, copied by TMA rather than gathered, with no absent columns.
+    // are read too (the mask hides them by position): a causal diagonal tile whose segment goes on
+    // then keeps its rows consecutive, copied by TMA rather than gathered, with no absent columns.
     src.seen.end = max(src.seen.end, w.rows.seg.pos0 + w.rows.seg.len - 1);
     return {w.rows, w.hk, src, 0, w.own_begin > 0};
   }
