@@ -84,7 +84,10 @@ double time_step(Cache& cache, const std::vector<std::int32_t>& step, gpu::Strea
   randomize(kv.data(), kv.size(), 2);
   if (!cache.upload(stream).ok()) throw std::runtime_error("upload refused");
   if (!cache.write(0, kv.data(), kv.data(), T, stream).ok()) throw std::runtime_error("write refused");
-  return time_ms([&] { (void)cache.attend(0, q.data(), out.data(), T, kHq, 0.f, stream); }, stream.get(), reps, samples);
+  // A refused or failed launch ends the benchmark: a kernel that did not run would time as fast.
+  return time_ms([&] {
+    if (!cache.attend(0, q.data(), out.data(), T, kHq, 0.f, stream).ok()) throw std::runtime_error("attend failed");
+  }, stream.get(), reps, samples);
 }
 
 // A one-layer cache of the benchmark's shape (head dim `head_dim`) whose pool holds random values.
