@@ -86,7 +86,8 @@ double time_step(Cache& cache, const std::vector<std::int32_t>& step, gpu::Strea
   if (!cache.write(0, kv.data(), kv.data(), T, stream).ok()) throw std::runtime_error("write refused");
   // A refused or failed launch ends the benchmark: a kernel that did not run would time as fast.
   return time_ms([&] {
-    if (!cache.attend(0, q.data(), out.data(), T, kHq, 0.f, stream).ok()) throw std::runtime_error("attend failed");
+    if (const Status s = cache.attend(0, q.data(), out.data(), T, kHq, 0.f, stream); !s.ok())
+      throw std::runtime_error("attend failed: " + std::string(s.message()));
   }, stream.get(), reps, samples);
 }
 
