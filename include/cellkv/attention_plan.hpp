@@ -94,6 +94,9 @@ struct AttentionShape {
   // prefill kernel takes whole (the Hopper kernel would write rows of overlapping items twice).
   std::int32_t prefill_rows = kMinPrefillRows;
   std::int32_t decode_rows = kDecodeRows;  // query rows of a decode item (kDecodeRows or kDecodeColumnRows)
+  // The prefill kernel's blocks claim items one at a time from a device counter (prefill_wgmma)
+  // rather than being dealt them in rounds: plan_window then groups the items by segment.
+  bool prefill_claimed = false;
 };
 
 // Query rows [row0, row0 + rows) of one segment; row r is token r / group, head r % group.
@@ -151,9 +154,16 @@ CELLKV_HOST_DEVICE constexpr std::int32_t prefill_item_tiles(const Segment& s, c
 
 // Plans one window's work from the step's segments: prefill items of shape.prefill_rows rows (a
 // smaller value than kMinPrefillRows plans items of kMinPrefillRows, so they fit max_prefill_items),
-// heaviest first (prefill_item_tiles; ties in step order, a segment's last rows first): the prefill
-// kernels deal them to their blocks in rounds (dealt_item), so every block gets about the same
-// work whatever the mix of lengths.
+// ordered for the prefill kernel that runs:
+//   dealt    (kernels that deal items in rounds, dealt_item) heaviest first (prefill_item_tiles;
+//            ties in step order, a segment's last rows first), so every block gets about the same
+//            work whatever the mix of lengths;
+//   claimed  (shape.prefill_claimed: blocks claim items from a counter, so the blocks end within
+//            about one item of each other in any order) by segment, the segments heaviest first
+//            (by their last item: the rows that see the most), each segment's items heaviest first
+//            (ties in step order): the blocks running at any moment read the K/V of few segments,
+//            which then stay in L2 for all of their items, and the last items are the lightest of
+//            the lightest segment.
 // own_begin: per segment, the first position it reads itself (nullptr: 0 for every segment).
 // finished: per segment, nonzero when the shared-prefix kernel finishes it (prefix_sharing.hpp;
 // empty: none): such a segment is no decode work here.
@@ -181,7 +191,16 @@ inline void plan_window(std::span<const Segment> segments, const std::int32_t* o
     return prefill_item_tiles(segments[static_cast<std::size_t>(it.seg)], it, per_item, shape.group, window,
                               own_begin ? own_begin[it.seg] : 0);
   };
+  // Items of a segment were pushed last rows first: the segment's first item is its last rows.
+  auto segment_cost = [&](std::int32_t seg) {
+    const std::int32_t rows = segments[static_cast<std::size_t>(seg)].len * shape.group;
+    return cost(PrefillItem{seg, (rows - 1) / per_item * per_item});
+  };
   std::sort(out.prefill, out.prefill + prefill, [&](const PrefillItem& x, const PrefillItem& y) {
+    if (shape.prefill_claimed && x.seg != y.seg) {
+      const std::int32_t sx = segment_cost(x.seg), sy = segment_cost(y.seg);
+      return sx != sy ? sx > sy : x.seg < y.seg;
+    }
     const std::int32_t cx = cost(x), cy = cost(y);
     return cx != cy ? cx > cy : x.seg != y.seg ? x.seg < y.seg : x.row0 > y.row0;
   });

@@ -5,8 +5,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <queue>
 #include <random>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "cellkv/attention_plan.hpp"
@@ -72,11 +74,13 @@ TEST_CASE("decode work: segments, tile prefix sums and the longest segment, agai
   }
 }
 
-TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's rows once, heaviest first") {
+TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's rows once, heaviest first or by segment") {
   std::mt19937 rng(23);
   for (int trial = 0; trial < 400; ++trial) {
     CAPTURE(trial);
     const std::int32_t rows_per_item = trial % 2 == 0 ? 64 : 128;
+    const bool claimed = trial % 5 < 2;  // the order of the kernel whose blocks claim items
+    CAPTURE(claimed);
     const std::int32_t decode_rows = trial % 3 == 0 ? kDecodeColumnRows : kDecodeRows;  // segments past it are prefilled
     CAPTURE(decode_rows);
     const std::int32_t group = std::vector<std::int32_t>{1, 2, 4, 7, 8, 64}[rng() % 6];
@@ -101,14 +105,18 @@ TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's ro
     AttentionShape shape{group, 16};
     shape.prefill_rows = rows_per_item;
     shape.decode_rows = decode_rows;
+    shape.prefill_claimed = claimed;
     plan_window(segments, own_begin.data(), window, shape,
                 WindowWork{counts.data(), decode_seg.data(), decode_prefix.data(), prefill.data()});
     // The oracle: per segment of more than decode_rows rows, row0 = (n - 1) x rows, ..., rows, 0
     // for its n = ceil(len x group / rows) items; all of them ordered by the tiles of kPrefillTile
-    // positions their rows see (brute force), most first, ties in that order.
+    // positions their rows see (brute force), most first, ties in that order. Claimed: the
+    // segments ordered by the tiles of their first item (their last rows), most first, ties in
+    // step order; within a segment its items so ordered.
     struct Want {
       PrefillItem item;
       std::int32_t tiles;
+      std::int32_t segment_tiles = 0;  // claimed: the tiles of the segment's first item
     };
     std::vector<Want> want;
     for (std::size_t i = 0; i < w; ++i) {
@@ -123,7 +131,17 @@ TEST_CASE("prefill work: items of 64 or 128 rows cover each prefill segment's ro
                         tiles_by_brute_force(part, window, kPrefillTile, own_begin[i])});
       }
     }
-    std::stable_sort(want.begin(), want.end(), [](const Want& x, const Want& y) { return x.tiles > y.tiles; });
+    for (Want& x : want)
+      for (const Want& y : want)
+        if (y.item.seg == x.item.seg) {
+          x.segment_tiles = y.tiles;  // the first of the segment's items pushed: its last rows
+          break;
+        }
+    std::stable_sort(want.begin(), want.end(), [&](const Want& x, const Want& y) {
+      if (claimed && x.item.seg != y.item.seg)
+        return x.segment_tiles != y.segment_tiles ? x.segment_tiles > y.segment_tiles : x.item.seg < y.item.seg;
+      return x.tiles > y.tiles;
+    });
     REQUIRE(counts[1] == static_cast<std::int32_t>(want.size()));
     CHECK(counts[1] <= capacity);
     for (std::size_t k = 0; k < want.size(); ++k) {
@@ -206,6 +224,63 @@ TEST_CASE("prefill work: dealt to blocks in rounds, each item to exactly one blo
     busiest = std::max(busiest, tiles);
   }
   CHECK(static_cast<double>(busiest) <= 1.05 * static_cast<double>(total) / blocks);
+}
+
+// Blocks that claim items in the plan's order, each taking the next when it is done (item_claims.cuh),
+// with an item's time its tiles: the tiles of the busiest block, the mean, and the heaviest item (no
+// order ends sooner than it).
+struct ClaimedLoad {
+  std::int64_t busiest = 0;
+  double mean = 0;
+  std::int64_t heaviest = 0;
+};
+ClaimedLoad claimed_load(const std::vector<Segment>& segments, std::int32_t group, std::int32_t heads_kv, std::int32_t blocks) {
+  std::int32_t tokens = 0;
+  for (const Segment& s : segments) tokens += s.len;
+  std::vector<std::int32_t> counts(4), decode_seg(segments.size()), decode_prefix(segments.size() + 1);
+  std::vector<PrefillItem> plan(static_cast<std::size_t>(max_prefill_items(tokens, group)));
+  AttentionShape shape{group, 16, 128};
+  shape.prefill_claimed = true;
+  plan_window(segments, nullptr, 0, shape, WindowWork{counts.data(), decode_seg.data(), decode_prefix.data(), plan.data()});
+  // The blocks' busy-until times; the block free first claims the next item.
+  std::priority_queue<std::int64_t, std::vector<std::int64_t>, std::greater<>> free_at;
+  for (std::int32_t b = 0; b < blocks; ++b) free_at.push(0);
+  std::int64_t total = 0, end = 0, heaviest = 0;
+  for (std::int32_t i = 0; i < counts[1] * heads_kv; ++i) {
+    const PrefillItem& it = plan[static_cast<std::size_t>(i / heads_kv)];
+    const std::int64_t tiles = prefill_item_tiles(segments[static_cast<std::size_t>(it.seg)], it, 128, group, 0, 0);
+    const std::int64_t done = free_at.top() + tiles;
+    free_at.pop();
+    free_at.push(done);
+    total += tiles;
+    end = std::max(end, done);
+    heaviest = std::max(heaviest, tiles);
+  }
+  return {end, static_cast<double>(total) / blocks, heaviest};
+}
+
+TEST_CASE("prefill work: claimed by segment, the blocks end about together") {
+  // Prompts (length, first position): 8 of 1,024 tokens, 4 of 4,096, one of 8,192, ragged mixes
+  // with the longest last in step order, and chunks that continue long sequences (their few items
+  // see the most positions: the plan must not leave them for last). Group 4, 8 KV heads, 132 blocks.
+  using Prompts = std::vector<std::pair<std::int32_t, std::int32_t>>;
+  const auto segments_of = [](const Prompts& prompts) {
+    std::vector<Segment> segments;
+    std::int32_t tokens = 0;
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      segments.push_back({static_cast<std::int32_t>(i), tokens, prompts[i].first, prompts[i].second});
+      tokens += prompts[i].first;
+    }
+    return segments;
+  };
+  for (const Prompts& prompts : {Prompts(8, {1024, 0}), Prompts(4, {4096, 0}), Prompts{{8192, 0}},
+                                 Prompts{{100, 0}, {300, 0}, {60, 0}, {2000, 0}, {8192, 0}},
+                                 Prompts{{1024, 0}, {1024, 0}, {1024, 0}, {128, 16000}, {64, 30000}}}) {
+    CAPTURE(prompts.size());
+    CAPTURE(prompts.back().first);
+    const ClaimedLoad load = claimed_load(segments_of(prompts), 4, 8, 132);
+    CHECK(static_cast<double>(load.busiest) <= std::max(1.05 * load.mean + 2, static_cast<double>(load.heaviest)));
+  }
 }
 
 TEST_CASE("decode work: teams for few short pairs, whole pairs for about one per worker, else the even split") {

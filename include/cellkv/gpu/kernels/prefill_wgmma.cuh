@@ -6,8 +6,8 @@
 // the items, each item's rows, KV head and tiles, where its rows' results go, and what the consumer
 // threads do before and after all their items): PrefillItems here, the shared-prefix items of
 // shared_prefix_attention.cuh (shared_prefix_wgmma). The persistent blocks take the items one at a
-// time from a device counter, heaviest first (item_claims.cuh; the shared-prefix items: dealt in
-// rounds). Block: three warpgroups.
+// time from a device counter in the plan's order (by segment, each segment's items heaviest first:
+// plan_window; item_claims.cuh; the shared-prefix items: dealt in rounds). Block: three warpgroups.
 //   producer  (warpgroup 0, kProducerRegisters a thread): per item, the item's queries into the
 //             query tile and the item itself (WgmmaItem) into a slot for the consumers, so they
 //             start it without a global read; then every KV tile the item reads (kTile = 128

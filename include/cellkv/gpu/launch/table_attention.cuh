@@ -191,7 +191,7 @@ class TableAttention {
   // turn it off), so every plan follows the kernel its launches run.
   [[nodiscard]] AttentionShape plan_shape() const noexcept {
     return {shape_.heads_q / shape_.heads_kv, decode_tile_positions(shape_.head_dim, kBytes),
-            wgmma_prefill_ ? kPrefillRows : std::int32_t{kernels::kPrefillBlockRows}, decode_rows()};
+            wgmma_prefill_ ? kPrefillRows : std::int32_t{kernels::kPrefillBlockRows}, decode_rows(), wgmma_prefill_};
   }
 
   // What the sharing planner needs: the kernel's geometry (the items and split alignment of the
