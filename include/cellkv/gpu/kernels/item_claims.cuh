@@ -1,8 +1,8 @@
 // cellkv/gpu/kernels/item_claims.cuh - the items of a persistent grid claimed one at a time, in the
 // plan's order (by segment, each segment's heaviest first: plan_window), from a device counter: a
 // block that is done early takes the next item, so the blocks end within about one item of each
-// other whatever each item turns out to cost. Without counters the items are dealt in rounds (dealt_item), which balances
-// the planned tile counts but not the time they take.
+// other whatever each item turns out to cost. Without counters the items are dealt in rounds
+// (dealt_item), which balances the planned tile counts but not the time they take.
 //
 // Counters (words, zero at first; the launcher owns them): [0] the next item to claim, [1] the
 // blocks of the grid that are done claiming. A block's claiming thread takes items by fetch_add on
