@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The prefill kernels' checks and timings on a fresh Hopper machine, in one go (about 6 minutes on
 # an H200, most of it the two builds):
-#   1. two builds side by side: BUILD_DIR (the default) and BUILD_DIR-pp (CELLKV_PREFILL_PING_PONG=1,
-#      the benchmark only);
+#   1. two builds side by side: BUILD_DIR (the default, consumer warpgroups taking turns) and
+#      BUILD_DIR-free (CELLKV_PREFILL_PING_PONG=0, issuing freely; the benchmark only);
 #   2. the prefill test cases, then compute-sanitizer memcheck, racecheck and synccheck on the
 #      short prefill steps and on the short shared-prefix fork tree, each with its own log;
 #   3. cellkv-bench-attention --only prefill twice in each build, --only mixed once, and the
@@ -13,7 +13,7 @@
 # device tool brings back at most eight).
 #
 #   benchmarks/run_prefill_device.sh BUILD_DIR OUT_DIR      (BUILD_DIR need not exist)
-#   PING_PONG=0 benchmarks/run_prefill_device.sh ...        (the default build alone, a minute less)
+#   FREE=0 benchmarks/run_prefill_device.sh ...             (the default build alone, a minute less)
 set -uo pipefail
 build="${1:?usage: run_prefill_device.sh BUILD_DIR OUT_DIR}"
 out="${2:?usage: run_prefill_device.sh BUILD_DIR OUT_DIR}"
@@ -28,24 +28,24 @@ start=$SECONDS
 
 note "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1) $(git -C "$root" rev-parse --short HEAD 2>/dev/null) $(date -u +%F)"
 [ -d "$build" ] || meson setup "$build" "$root" >"$logs/setup.log" 2>&1
-ping_pong="${PING_PONG:-1}"
-[ "$ping_pong" = 0 ] || [ -d "$build-pp" ] || meson setup "$build-pp" "$root" -Dtests=false -Dexamples=false \
-  -Dcuda_args=-DCELLKV_PREFILL_PING_PONG=1 >>"$logs/setup.log" 2>&1
+free="${FREE:-1}"
+[ "$free" = 0 ] || [ -d "$build-free" ] || meson setup "$build-free" "$root" -Dtests=false -Dexamples=false \
+  -Dcuda_args=-DCELLKV_PREFILL_PING_PONG=0 >>"$logs/setup.log" 2>&1
 # Two builds at once; `wait` names them (a bare wait would also wait for tee's process substitutions).
-ninja -C "$build" -j"$([ "$ping_pong" = 0 ] && echo 16 || echo 12)" tests/cuda/cellkv-gpu-tests benchmarks/cellkv-bench-attention >"$logs/build.log" 2>&1 &
+ninja -C "$build" -j"$([ "$free" = 0 ] && echo 16 || echo 12)" tests/cuda/cellkv-gpu-tests benchmarks/cellkv-bench-attention >"$logs/build.log" 2>&1 &
 default_build=$!
-pp_build=
-if [ "$ping_pong" != 0 ]; then
-  ninja -C "$build-pp" -j4 benchmarks/cellkv-bench-attention >"$logs/build-pp.log" 2>&1 &
-  pp_build=$!
+free_build=
+if [ "$free" != 0 ]; then
+  ninja -C "$build-free" -j4 benchmarks/cellkv-bench-attention >"$logs/build-free.log" 2>&1 &
+  free_build=$!
 fi
 wait "$default_build" || note "default build failed ($logs/build.log)"
-[ -z "$pp_build" ] || wait "$pp_build" || note "ping-pong build failed"
+[ -z "$free_build" ] || wait "$free_build" || note "free-issue build failed"
 note "built in $((SECONDS - start)) s; ptxas serialization warnings (C7518): $(cat "$logs"/build*.log | grep -c C7518)"
 
 suite="$build/tests/cuda/cellkv-gpu-tests"
 bench="$build/benchmarks/cellkv-bench-attention"
-bench_pp="$build-pp/benchmarks/cellkv-bench-attention"
+bench_free="$build-free/benchmarks/cellkv-bench-attention"
 check() {  # name, command...: one line per check, the log kept
   local name="$1"; shift
   "$@" >"$logs/$name.log" 2>&1
@@ -63,7 +63,7 @@ done
 : >"$out/cellkv.jsonl"
 for run in 1 2; do
   "$bench" --only prefill --out "$logs/default-$run.jsonl" 2>>"$logs/bench.log"
-  [ "$ping_pong" = 0 ] || "$bench_pp" --only prefill --out "$logs/pingpong-$run.jsonl" 2>>"$logs/bench.log"
+  [ "$free" = 0 ] || "$bench_free" --only prefill --out "$logs/free-$run.jsonl" 2>>"$logs/bench.log"
 done
 "$bench" --only mixed --out "$logs/default-mixed.jsonl" 2>>"$logs/bench.log"
 PYTHONUNBUFFERED=1 python3 "$here/peers.py" --only prefill --impls sdpa_cudnn_per_seq,sdpa_flash_per_seq \

@@ -115,7 +115,17 @@ template <int D>
 struct RowState {
   float m[2] = {-INFINITY, -INFINITY};
   float l[2] = {0.f, 0.f};  // per lane; quad-summed at the end
-  float o[D / 8][4] = {};
+  float o[D / 8][4];
+  enum Unset { kUnset };
+  __device__ __forceinline__ RowState() { zero_o(); }
+  // o left unset: the caller's first P V writes it rather than adds to it.
+  __device__ __forceinline__ explicit RowState(Unset) {}
+  __device__ __forceinline__ void zero_o() {
+#pragma unroll
+    for (int d = 0; d < D / 8; ++d)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[d][e] = 0.f;
+  }
 
   // Scores s (in log2 units, -inf where invisible) -> probabilities in place; rescales o.
   template <int NT>
@@ -199,10 +209,11 @@ struct RowHalf {
   RowState<D>& st;
   int h;
   float lse;
-  __device__ __forceinline__ RowHalf(RowState<D>& state, int half) : st(state), h(half) {
+  __device__ __forceinline__ RowHalf(RowState<D>& state, int half, bool with_lse = true) : st(state), h(half) {
     const float l = quad_sum(st.l[h]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    lse = l > 0.f ? st.m[h] + log2f(l) : -INFINITY;
+    const float inv = l > 0.f ? fast_rcp(l) : 0.f;  // l >= 1 when > 0: the maximum's own term is 1
+    lse = -INFINITY;
+    if (with_lse && l > 0.f) lse = st.m[h] + log2f(l);
 #pragma unroll
     for (int d = 0; d < D / 8; ++d) st.o[d][2 * h] *= inv, st.o[d][2 * h + 1] *= inv;
   }

@@ -352,12 +352,13 @@ __device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, in
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = (lane >> 2) + 8 * h;
-    const R res(st, h);
+    const R res(st, h, folds);
     T* row = nullptr;  // stays null for a row past the item's: the quad stores nothing
     if (r < mine.rows) {
-      const int token = mine.token(r), head = mine.head(hk, r);
+      const int x = mine.row0 + r, member = x / mine.group;  // one division for the token and the head
+      const int token = mine.member_token(member), head = hk * mine.group + (x - member * mine.group);
       auto column = [&](int j) { return R::column(j, lane); };
-      if (folds)
+      if (__builtin_expect(folds, 0))
         a.shared.template fold<D, R::kValues>(token, head, a.heads_q, res.lse, column, [&](int j) -> float& { return res.v(j); });
       row = a.out + (static_cast<std::int64_t>(token) * a.heads_q + head) * D;
     }

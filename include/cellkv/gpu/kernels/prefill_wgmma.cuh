@@ -27,9 +27,9 @@
 //             softmax in registers (attention_tiles.cuh: the accumulator layout is mma.sync's),
 //             O += P V (wgmma, P from registers, V from the stage). A consumer whose rows cannot
 //             see a tile skips its MMAs (causal and window by position ranges; tiles wholly inside
-//             every row's range are not masked). Built with CELLKV_PREFILL_PING_PONG=1, the two
-//             warpgroups take turns to issue their MMAs (PingPong: named barriers), so one's
-//             softmax runs under the other's MMAs.
+//             every row's range are not masked). The two warpgroups take turns to issue their
+//             MMAs (PingPong: named barriers; CELLKV_PREFILL_PING_PONG=0 builds without the
+//             turns), so one's softmax runs under the other's MMAs.
 // Hand-over, by mbarriers, one pair for each half of a stage: full_k[s] completes when the
 // copies of K into stage s have landed (cp.async.mbarrier.arrive) and the lane 0 of each warp
 // that copied them has written its rows' absent bits; empty_k[s] when all 256 consumer threads
@@ -136,12 +136,14 @@ struct WgmmaPrefill {
 inline constexpr int kPingPongBarrier = 2;
 // Named barrier of the producer warpgroup: the item of a round handed from its thread 0 to its warps.
 inline constexpr int kProducerBarrier = 4;
-// Whether the consumer warpgroups take turns (PingPong) or issue freely; CELLKV_PREFILL_PING_PONG=1
-// at build time turns the turns on. Off by default: on the H200 (2026-12-04) the turns gave 0-2%
-// at D 64 and 128 (benchmarks/RESULTS.md). Built with them, the kernels pass compute-sanitizer's
-// memcheck, racecheck and synccheck.
+// Whether the consumer warpgroups take turns (PingPong) or issue freely; CELLKV_PREFILL_PING_PONG=0
+// at build time turns the turns off. On by default since 2026-12-07: together with the cheaper
+// output (the first P V sets o, rcp.approx, the log-sum-exp only where partials fold) they gained
+// 2-3% at 8x1k in the cell layout (0-2% in the sequence layout) and 4-5% at 4x4k, on the H200 and
+// the H100 (benchmarks/RESULTS.md). Both builds pass compute-sanitizer's memcheck, racecheck and
+// synccheck.
 #ifndef CELLKV_PREFILL_PING_PONG
-#define CELLKV_PREFILL_PING_PONG 0
+#define CELLKV_PREFILL_PING_PONG 1
 #endif
 inline constexpr bool kPingPong = CELLKV_PREFILL_PING_PONG != 0;
 
@@ -446,11 +448,11 @@ __device__ __forceinline__ void pack_probabilities(std::uint32_t (&a)[N / 2][4],
 // Issues o (64 x D, this thread's share) += P V over the V tile at v_tile, one group; a: P packed.
 template <class T, int D, int Tile = WgmmaPrefill<D>::kTile>
 __device__ __forceinline__ void issue_values(float (&o)[D / 8][4], const std::uint32_t (&a)[Tile / 16][4],
-                                             std::uint32_t v_tile) {
+                                             std::uint32_t v_tile, bool accumulate) {
   const std::uint64_t v0 = v_operand<Tile, D>(v_tile, 0);
   wgmma_fence();
 #pragma unroll
-  for (int ks = 0; ks < Tile / 16; ++ks) wgmma_rs<T, D, true>(o, a[ks], advance(v0, 2048u * ks), true);
+  for (int ks = 0; ks < Tile / 16; ++ks) wgmma_rs<T, D, true>(o, a[ks], advance(v0, 2048u * ks), accumulate || ks > 0);
   wgmma_commit();
 }
 
@@ -578,7 +580,7 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
     auto queries_done = [&] { (void)::cuda::ptx::mbarrier_arrive(bar.q_empty()); };
     const TileRange seen = tiles_of<L::kTile>(rows, span, a.window);
     if (seen.lo == seen.hi) queries_done();
-    RowState<D> st;
+    RowState<D> st{RowState<D>::kUnset};  // o set by the item's first P V, or zeroed below
     float s[L::kN][4] = {};
     float corr[2];
     std::uint32_t p[L::kN / 2][4];
@@ -618,7 +620,7 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
         fence_copies();
         turn.wait();
         issue_scores<T, D>(s, q_rows, k_tile(k));
-        issue_values<T, D>(st.o, p, v_tile(v));
+        issue_values<T, D>(st.o, p, v_tile(v), j > seen.lo + 1);  // the first P V sets o
         turn.pass();
         wgmma_wait<1>();  // S of tile j
         softmax_of(j, k);
@@ -632,13 +634,14 @@ __device__ void consume_tiles(const LayerArgs<T, Rows>& a, const Work& work, int
       skip(seen.hi);
       fence_copies();
       turn.wait();
-      issue_values<T, D>(st.o, p, v_tile(v));
+      issue_values<T, D>(st.o, p, v_tile(v), seen.hi > seen.lo + 1);
       turn.pass();
       wgmma_wait<0>();
       fence_accumulators(st.o);
       release(bar.empty(true), v);
       for (int j = seen.hi + 1; j <= span.count; ++j) idle(j);
     } else {
+      st.zero_o();
       for (int j = seen.lo; j <= span.count; ++j) idle(j);
     }
     work.template finish<D>(w, mine.rows, st, lane);
