@@ -139,7 +139,7 @@ inline constexpr int kProducerBarrier = 4;
 // Whether the consumer warpgroups take turns (PingPong) or issue freely; CELLKV_PREFILL_PING_PONG=0
 // at build time turns the turns off. On by default since 2026-12-07: together with the cheaper
 // output (the first P V sets o, rcp.approx, the log-sum-exp only where partials fold) they gained
-// 2-3% at 8x1k in the cell layout (0-2% in the sequence layout) and 4-5% at 4x4k, on the H200 and
+// 2-3% at 8x1k in the cell layout (1-2% in the sequence layout) and 1-3% at 4x4k, on the H200 and
 // the H100 (benchmarks/RESULTS.md). Both builds pass compute-sanitizer's memcheck, racecheck and
 // synccheck.
 #ifndef CELLKV_PREFILL_PING_PONG
