@@ -355,8 +355,7 @@ __device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, in
     const R res(st, h, folds);
     T* row = nullptr;  // stays null for a row past the item's: the quad stores nothing
     if (r < mine.rows) {
-      const int x = mine.row0 + r, member = x / mine.group;  // one division for the token and the head
-      const int token = mine.member_token(member), head = hk * mine.group + (x - member * mine.group);
+      const int token = mine.token(r), head = mine.head(hk, r);
       auto column = [&](int j) { return R::column(j, lane); };
       if (__builtin_expect(folds, 0))
         a.shared.template fold<D, R::kValues>(token, head, a.heads_q, res.lse, column, [&](int j) -> float& { return res.v(j); });
