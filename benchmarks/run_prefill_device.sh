@@ -7,7 +7,8 @@
 #      short prefill steps and on the short shared-prefix fork tree, each with its own log;
 #   3. cellkv-bench-attention --only prefill twice in each build, --only mixed once, and the
 #      per-sequence SDPA peers (peers.py --only prefill) in the same session;
-#   4. one Nsight Compute profile of the wgmma kernel at 1x8k (ncu, when installed);
+#   4. Nsight Compute on the wgmma kernel at 8x1k (ncu, when installed): its sections, then the
+#      stall reasons (cycles a warp spends stalled for each reason, per issued instruction);
 #   5. summary.txt: the checks, then one row per shape with every run and the ratios to cuDNN.
 # OUT_DIR gets summary.txt, cellkv.jsonl, peers.jsonl, ncu.txt and logs.tgz (five files: the
 # device tool brings back at most eight).
@@ -69,8 +70,11 @@ done
 PYTHONUNBUFFERED=1 python3 "$here/peers.py" --only prefill --impls sdpa_cudnn_per_seq,sdpa_flash_per_seq \
   --out "$out/peers.jsonl" 2>"$logs/peers.log" || note "peers failed ($logs/peers.log)"
 if command -v ncu >/dev/null; then
-  ncu --kernel-name regex:prefill_wgmma --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy \
-    --section WarpStateStats --section SchedulerStats "$bench" --quick --only prefill:1x8k >"$out/ncu.txt" 2>&1
+  profile() { ncu --kernel-name regex:prefill_wgmma --launch-skip 3 --launch-count 1 "$@" "$bench" --quick --only prefill:8x1k; }
+  profile --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+    --section ComputeWorkloadAnalysis --section LaunchStats >"$out/ncu.txt" 2>&1
+  # A run of its own, so that a metric this ncu lacks costs only these lines.
+  profile --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$' >>"$out/ncu.txt" 2>&1
 fi
 
 # Every run's rows into cellkv.jsonl (with "run": the build and the run), then the table.
@@ -98,7 +102,7 @@ for (work, shape, impl), values in sorted(runs.items()):
     ratio = f"  best / cuDNN {best / cudnn:.2f}x (cuDNN {cudnn:.1f})" if cudnn and work == "prefill" else ""
     print(f"{work:8} {shape:12} {impl:28} {' | '.join(values)}{ratio}")
 PY
-grep -E "Duration|Compute \(SM\) Throughput|No Eligible|Eligible Warps|Warp Cycles Per Issued" "$out/ncu.txt" 2>/dev/null \
-  | tee -a "$summary"
+grep -E "Duration|Compute \(SM\) Throughput|Issue Slots Busy|No Eligible|Eligible Warps|Warp Cycles Per Issued|Achieved Active Warps|issue_stalled" \
+  "$out/ncu.txt" 2>/dev/null | tee -a "$summary"
 note "done in $((SECONDS - start)) s"
 tar -czf "$out/logs.tgz" -C "$logs" .
