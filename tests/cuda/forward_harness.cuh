@@ -54,12 +54,19 @@ class ForwardHarness {
     for (std::int32_t l = 0; l < W::kLayers; ++l) reference::write<double>(host_pool(l), k, v, host.step_rows(W::window_of_layer(l)));
   }
 
+  // Keys of the step's token t drawn from [-1, 1) and scaled by 1 + key_ramp t: scores that grow
+  // along a prompt, so that a row's maximum jumps from one KV tile to the next.
+  double key_ramp = 0;
+
   // New random inputs for the step (width rows; the real tokens are the first T).
   void new_inputs(std::int32_t width, std::mt19937_64& rng) {
     const auto qn = static_cast<std::size_t>(width * heads_q_ * shape_.head_dim);
     const auto kn = static_cast<std::size_t>(width) * kv_row();
     hq_ = random_values<T>(qn, rng);
     hk_ = random_values<T>(kn, rng);
+    if (key_ramp > 0)
+      for (std::size_t i = 0; i < kn; ++i)
+        hk_[i] = from_double<T>(to_double(hk_[i]) * (1.0 + key_ramp * static_cast<double>(i / kv_row())));
     hv_ = random_values<T>(kn, rng);
     // DeviceArray waits for the device first: the last step's kernels may still read q, k and v.
     q_.upload(hq_);

@@ -55,7 +55,7 @@ std::int32_t prefill_items(const std::vector<std::int32_t>& lens, std::int32_t g
 // wgmma kernel, 64 for the mma.sync kernel.
 template <class Cache>
 void ragged_prefill(std::int32_t heads_q, std::int32_t heads_kv, std::int32_t head_dim, std::uint64_t seed,
-                    const Steps& steps = kLongSteps) {
+                    const Steps& steps = kLongSteps, double key_ramp = 0) {
   CAPTURE(heads_q);
   CAPTURE(heads_kv);
   CAPTURE(head_dim);
@@ -73,6 +73,7 @@ void ragged_prefill(std::int32_t heads_q, std::int32_t heads_kv, std::int32_t he
   REQUIRE(mma.runs_table_kernels());
   std::vector<Cache*> caches{&fast, &mma, &ref};
   ForwardHarness<Cache> hf(fast, heads_q, kMaxWrite), hm(mma, heads_q, kMaxWrite), hr(ref, heads_q, kMaxWrite);
+  hf.key_ramp = hm.key_ramp = hr.key_ramp = key_ramp;
   gpu::Stream stream;
   std::mt19937_64 df(seed), dm(seed), dr(seed);
   std::vector<std::int32_t> seqs;
@@ -140,4 +141,13 @@ TEST_CASE("prefill kernels: short ragged steps (the sanitizers' case)") {
   ragged_prefill<Cells<__nv_bfloat16, placement::lowest_free>>(8, 2, 128, 6, kShortSteps);
   ragged_prefill<Slots<__half>>(4, 4, 64, 7, kShortSteps);
   ragged_prefill<Cells<__nv_bfloat16, placement::lowest_free>>(16, 4, 256, 9, kShortSteps);
+}
+
+// Keys scaled by 1 + 0.06 t (token t of the step): a row's largest score grows by about 10 (log2
+// units) from one 128-position tile to the next, past the 8 the wgmma kernel's online softmax lets
+// its exponent base lag behind (kLazyRescaleLog2), and by less within a tile: both the moves of the
+// base (o rescaled) and the tiles that keep it (probabilities up to 2^8) are taken.
+TEST_CASE("prefill kernels: scores that jump from tile to tile") {
+  ragged_prefill<Cells<__nv_bfloat16, placement::lowest_free>>(8, 2, 128, 10, kShortSteps, 0.06);
+  ragged_prefill<Slots<__half>>(4, 4, 64, 11, kShortSteps, 0.06);
 }

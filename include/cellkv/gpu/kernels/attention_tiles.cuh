@@ -110,6 +110,10 @@ __device__ __forceinline__ void pv(float (&o)[D / 8][4], const float (&p)[NT][4]
   }
 }
 
+// How far (log2 units) a row's scores may pass its exponent base before a lazy online softmax
+// moves the base (RowState::online_softmax<true>): probabilities stay <= 2^8.
+inline constexpr float kLazyRescaleLog2 = 8.f;
+
 // Online-softmax state of the two rows (lane / 4 and lane / 4 + 8) a lane holds in a 16-row tile.
 template <int D>
 struct RowState {
@@ -143,14 +147,14 @@ struct RowState {
   }
   // to_probabilities for raw scores (-inf where masked) and a factor scale_log2 > 0 folded into the
   // exponent: p = 2^(s scale_log2 - m), one FFMA and one exp2 a score.
-  template <int NT>
+  template <bool Lazy = false, int NT>
   __device__ __forceinline__ void to_probabilities_scaled(float (&s)[NT][4], float scale_log2, float (&corr)[2]) {
-    online_softmax(s, corr, [=](float x) { return x * scale_log2; },
-                   [=](float x, float base) { return fmaf(x, scale_log2, -base); });
+    online_softmax<Lazy>(s, corr, [=](float x) { return x * scale_log2; },
+                         [=](float x, float base) { return fmaf(x, scale_log2, -base); });
   }
   // The online softmax step of both: the row maxima of the scores in log2 units (to_log2 of a raw
   // maximum: the scale is positive, so it keeps the order), p = 2^exponent(s, new maximum).
-  template <int NT, class ToLog2, class Exponent>
+  template <bool Lazy = false, int NT, class ToLog2, class Exponent>
   __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&corr)[2], ToLog2&& to_log2,
                                                  Exponent&& exponent) {
     // Four independent partial maxima and sums a row: short dependency chains for wide tiles.
@@ -159,7 +163,13 @@ struct RowState {
       float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
       for (int n = 0; n < NT; ++n) mx[n % 4] = fmaxf(mx[n % 4], fmaxf(s[n][2 * h], s[n][2 * h + 1]));
-      const float m_new = fmaxf(m[h], to_log2(quad_max(fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3])))));
+      const float tile_max = to_log2(quad_max(fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]))));
+      float m_new = fmaxf(m[h], tile_max);
+      // Lazy: the base stays while the tile's maximum passes it by at most kLazyRescaleLog2 (so p <=
+      // 2^8, exact enough in T and summed in fp32), and corr is then 1: o is rescaled only when a
+      // row's maximum jumps. A row's first finite maximum always becomes its base.
+      if constexpr (Lazy)
+        if (!(tile_max > m[h] + kLazyRescaleLog2)) m_new = m[h];
       const float base = m_new == -INFINITY ? 0.f : m_new;  // a row that has seen nothing yet
       corr[h] = fast_exp2(m[h] - base);
       float sum[4] = {0.f, 0.f, 0.f, 0.f};

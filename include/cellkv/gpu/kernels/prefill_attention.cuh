@@ -98,6 +98,7 @@ struct ItemRows {
   __device__ int token(int r) const { return member_token((row0 + r) / group); }
   __device__ int head(int hk, int r) const { return hk * group + (row0 + r) % group; }
   __device__ int qpos(int r) const { return seg.pos0 + (row0 + r) / group; }
+  __device__ int member_qpos(int member) const { return seg.pos0 + member; }  // position of rows [member group, + group)
   __device__ int first() const { return qpos(0); }
   __device__ int last() const { return qpos(rows - 1); }
   // Rows [16 warp, 16 warp + 16) of these.
@@ -341,21 +342,28 @@ __device__ void attend_block(const LayerArgs<T, Rows, S>& a, const QRows& it, co
   __syncthreads();  // before the next item reuses the query tile and the stages
 }
 
+// Where a query row's output goes: its token and query head.
+struct RowPlace {
+  int token = 0, head = 0;
+};
+
 // Writes a warp's rows to the layer output (token-major [T, H_q, D]), each folded with its token's
 // shared-prefix partials when `folds` (the segment's own_begin > 0: exactly the segments whose
 // tokens have partial slots, sharing_planner.hpp). The state is consumed. The output is 16-byte
 // aligned (the launch checks it): the quad's lanes store 16-byte pieces (RowHalf::store_row).
-template <class T, int D, class Rows, class QRows, class S = T>
-__device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, int hk, RowState<D>& st, int lane,
-                           bool folds) {
+// rows: the warp's rows (of its 16); place(h): the RowPlace of this lane's row lane / 4 + 8 h
+// (called only for rows < rows). write_rows: the places from the warp's ItemRows.
+template <class T, int D, class Rows, class Place, class S = T>
+__device__ void write_rows_at(const LayerArgs<T, Rows, S>& a, int rows, Place&& place, RowState<D>& st, int lane,
+                              bool folds) {
   using R = RowHalf<D>;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = (lane >> 2) + 8 * h;
     const R res(st, h, folds);
     T* row = nullptr;  // stays null for a row past the item's: the quad stores nothing
-    if (r < mine.rows) {
-      const int token = mine.token(r), head = mine.head(hk, r);
+    if (r < rows) {
+      const auto [token, head] = place(h);
       auto column = [&](int j) { return R::column(j, lane); };
       if (__builtin_expect(folds, 0))
         a.shared.template fold<D, R::kValues>(token, head, a.heads_q, res.lse, column, [&](int j) -> float& { return res.v(j); });
@@ -363,6 +371,17 @@ __device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, in
     }
     res.store_row(row, lane);  // every lane: the quads exchange values
   }
+}
+template <class T, int D, class Rows, class QRows, class S = T>
+__device__ void write_rows(const LayerArgs<T, Rows, S>& a, const QRows& mine, int hk, RowState<D>& st, int lane,
+                           bool folds) {
+  write_rows_at<T, D>(
+      a, mine.rows,
+      [&](int h) {
+        const int r = (lane >> 2) + 8 * h;
+        return RowPlace{mine.token(r), mine.head(hk, r)};
+      },
+      st, lane, folds);
 }
 
 // Prefill item `item` of the uploaded step's window work: its rows (kItemRows at most) and KV head.

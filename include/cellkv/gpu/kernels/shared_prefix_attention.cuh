@@ -63,6 +63,7 @@ struct SharedRows {
   __device__ int slot(int r, int k) const { return slots[(row0 + r) / group] + k; }
   __device__ int head(int hk, int r) const { return hk * group + (row0 + r) % group; }
   __device__ int qpos(int r) const { return token_pos[token(r)]; }
+  __device__ int member_qpos(int member) const { return token_pos[member_token(member)]; }
   __device__ int first() const { return lo; }
   __device__ int last() const { return hi; }
   // Rows [16 warp, 16 warp + 16) of these, with their own [lo, hi] (the whole warp calls it).
@@ -156,9 +157,9 @@ struct SharedItems {
     const SharedRows it = shared_rows(a, w, run, kPrefillRows);
     return {it, hk, shared_source(run, w.split, hk, a.window, it.lo), w.split};
   }
-  template <int D>
-  __device__ void finish(const WgmmaItem<SharedRows>& it, const SharedRows& mine, RowState<D>& st, int lane) const {
-    write_partials<D>(a.partial_o, a.partial_lse, a.heads_q, mine, it.hk, it.split, st, lane);
+  template <int D, class Mine>
+  __device__ void finish(const WgmmaItem<SharedRows>& it, const Mine& mine, RowState<D>& st, int lane) const {
+    write_partials<D>(a.partial_o, a.partial_lse, a.heads_q, mine.rows, it.hk, it.split, st, lane);
   }
   // The finished tokens (shared_finish.cuh) by the consumer threads (thread: 0 to 255): their own
   // parts before the items, their outputs after every block's items.
