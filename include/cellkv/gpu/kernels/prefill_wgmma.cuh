@@ -517,8 +517,8 @@ __device__ __forceinline__ void mask_scores(float (&s)[N][4], const WarpRows<QRo
 // exponent when positive); corr: the factors o's rows must take. The softmax is lazy (a row's
 // exponent base moves only when a tile's maximum passes it by more than kLazyRescaleLog2), so most
 // tiles leave o as it is: the consumer warpgroups take turns, and o's rescale sat on the path from
-// one warpgroup's MMAs to its next issue (2026-12-07: +1.2% at 8x1k alone, +3% with the rows'
-// places worked out once an item, WarpRows).
+// one warpgroup's MMAs to its next issue (2026-12-07, H100: +1.2% at 8x1k alone, +3-6% with the
+// rows' places worked out once an item, WarpRows).
 template <int D, int N>
 __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N][4], float scale_log2, float (&corr)[2]) {
   if (scale_log2 > 0.f) {
