@@ -143,10 +143,12 @@ TEST_CASE("prefill kernels: short ragged steps (the sanitizers' case)") {
   ragged_prefill<Cells<__nv_bfloat16, placement::lowest_free>>(16, 4, 256, 9, kShortSteps);
 }
 
-// Keys scaled by 1 + 0.06 t (token t of the step): a row's largest score grows by about 10 (log2
-// units) from one 128-position tile to the next, past the 8 the wgmma kernel's online softmax lets
-// its exponent base lag behind (kLazyRescaleLog2), and by less within a tile: both the moves of the
-// base (o rescaled) and the tiles that keep it (probabilities up to 2^8) are taken.
+// Keys scaled by 1 + 0.06 t (token t of the step): a row's largest score grows from one
+// 128-position tile to the next by amounts on both sides of the 8 (log2 units) the wgmma kernel's
+// online softmax lets its exponent base lag behind (kLazyRescaleLog2), so both paths are taken: the
+// base moves (o rescaled), or stays with probabilities above 1. (A host model of the first step's
+// 300-token chunk at D 128, every third row: 18 moves, 53 tiles that keep the base, 38 of them with
+// a probability above 1.)
 TEST_CASE("prefill kernels: scores that jump from tile to tile") {
   ragged_prefill<Cells<__nv_bfloat16, placement::lowest_free>>(8, 2, 128, 10, kShortSteps, 0.06);
   ragged_prefill<Slots<__half>>(4, 4, 64, 11, kShortSteps, 0.06);
